@@ -1,0 +1,65 @@
+"""ckpt_plugin: shared, immutable context checkpoints and a prefix-indexed prompt cache for llama-cpp-python hosts.
+
+Quick start::
+
+    from llama_cpp import Llama
+    import ckpt_plugin
+
+    llama = Llama("model.gguf", n_ctx=4096)
+    manager = ckpt_plugin.attach(llama)      # the host's own calls now reuse prefixes through checkpoints
+    llama.create_completion("...", max_tokens=32)
+    print(manager.stats())
+"""
+
+from __future__ import annotations
+
+from .cache import DEFAULT_MAX_BYTES, CacheEntry, PromptCache, RadixIndex
+from .checkpoint import Checkpoint, ExtraState, StateBuffer
+from .config import CheckpointSettings
+from .errors import CheckpointError, IncompatibleStateError, PluginError, UnsupportedHostError
+from .hooks import PROJECT_NAME, hookimpl, hookspec
+from .manager import Backend, CheckpointManager, Counters, Slot
+from .policy import CheckpointRules, MemoryKind
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The llama_cpp-facing names load lazily so that policy, cache and hook code import without llama_cpp.
+    if name in {"attach", "detach", "manager_of", "SharedLlamaState", "HostPromptCache", "LlamaBackend"}:
+        from . import llama_backend
+
+        return getattr(llama_backend, name)
+    raise AttributeError(f"module 'ckpt_plugin' has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "PROJECT_NAME",
+    "Backend",
+    "CacheEntry",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointRules",
+    "CheckpointSettings",
+    "Counters",
+    "ExtraState",
+    "HostPromptCache",
+    "IncompatibleStateError",
+    "LlamaBackend",
+    "MemoryKind",
+    "PluginError",
+    "PromptCache",
+    "RadixIndex",
+    "SharedLlamaState",
+    "Slot",
+    "StateBuffer",
+    "UnsupportedHostError",
+    "attach",
+    "detach",
+    "hookimpl",
+    "hookspec",
+    "manager_of",
+    "__version__",
+]

@@ -1,0 +1,339 @@
+"""The prompt cache: states of prompts no longer live in a slot, found by longest common token prefix.
+
+Entries are indexed by a compressed radix tree over token ids per (namespace, fingerprint) partition, so a lookup
+walks the prompt once along the tree (a few vectorized edge comparisons) whatever the number of entries. Budgets are
+in bytes and tokens; bytes are counted once per unique buffer, so entries sharing checkpoints with each other pay for
+them once. Eviction is least-recently-used unless a plugin picks other victims. Entries are immutable: a restore
+never consumes one, it stays valid for the next request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from .checkpoint import Checkpoint, StateBuffer
+from .policy import common_prefix
+
+DEFAULT_MAX_BYTES = 2 << 30
+"""Default byte budget of a prompt cache: 2 GiB, llama-cpp-python's ``LlamaRAMCache`` default."""
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """A cached prompt state: the full sequence state plus the checkpoints of its lineage.
+
+    :ivar tokens: Read-only ``int32`` token ids the state holds.
+    :ivar state: The full (non-partial) state checkpoint.
+    :ivar checkpoints: Partial checkpoints of the lineage, oldest first (shared with slots and other entries).
+    :ivar namespace: The tenant partition.
+    """
+
+    tokens: np.ndarray
+    state: Checkpoint
+    checkpoints: tuple[Checkpoint, ...]
+    namespace: str = "default"
+    hits: int = 0
+    _node: _Node | None = field(default=None, repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.state.fingerprint
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def pos_min(self) -> int:
+        return self.state.pos_min
+
+    def buffers(self) -> Iterator[StateBuffer]:
+        """Every buffer this entry references (a shared buffer may appear in several entries)."""
+        yield from self.state.buffers()
+        for checkpoint in self.checkpoints:
+            yield from checkpoint.buffers()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unique buffers of this entry."""
+        return sum(int(b.nbytes) for b in {id(b): b for b in self.buffers()}.values())
+
+
+class _Node:
+    __slots__ = ("edge", "children", "entry", "parent")
+
+    def __init__(self, edge: np.ndarray, parent: _Node | None) -> None:
+        self.edge = edge
+        self.children: dict[int, _Node] = {}
+        self.entry: CacheEntry | None = None
+        self.parent = parent
+
+
+class RadixIndex:
+    """A compressed radix tree mapping token sequences to entries."""
+
+    def __init__(self) -> None:
+        self.root = _Node(np.empty(0, dtype=np.int32), None)
+        self.size = 0
+
+    def insert(self, entry: CacheEntry) -> CacheEntry | None:
+        """Index ``entry``; return the entry it replaces (same tokens), if any."""
+        node, tokens, i = self.root, entry.tokens, 0
+        while i < len(tokens):
+            child = node.children.get(int(tokens[i]))
+            if child is None:
+                leaf = _Node(tokens[i:], node)
+                node.children[int(tokens[i])] = leaf
+                node = leaf
+                i = len(tokens)
+                break
+            n = common_prefix(child.edge, tokens[i:])
+            if n < len(child.edge):
+                child = self._split(child, n)
+            node, i = child, i + n
+        replaced = node.entry
+        if replaced is not None:
+            replaced._node = None
+        else:
+            self.size += 1
+        node.entry = entry
+        entry._node = node
+        return replaced
+
+    @staticmethod
+    def _split(node: _Node, n: int) -> _Node:
+        parent = node.parent
+        assert parent is not None
+        middle = _Node(node.edge[:n], parent)
+        parent.children[int(node.edge[0])] = middle
+        node.edge = node.edge[n:]
+        node.parent = middle
+        middle.children[int(node.edge[0])] = node
+        return middle
+
+    def remove(self, entry: CacheEntry) -> None:
+        """Remove ``entry`` and prune the nodes it leaves empty."""
+        node = entry._node
+        if node is None or node.entry is not entry:
+            return
+        node.entry = None
+        entry._node = None
+        self.size -= 1
+        while node.parent is not None and node.entry is None and not node.children:
+            parent = node.parent
+            del parent.children[int(node.edge[0])]
+            node = parent
+        if node.parent is not None and node.entry is None and len(node.children) == 1:
+            (only,) = node.children.values()
+            only.edge = np.concatenate((node.edge, only.edge))
+            only.parent = node.parent
+            node.parent.children[int(only.edge[0])] = only
+
+    def ancestors(self, entry: CacheEntry) -> Iterator[CacheEntry]:
+        """Entries whose tokens are a strict prefix of ``entry``'s, deepest first."""
+        node = entry._node.parent if entry._node is not None else None
+        while node is not None:
+            if node.entry is not None:
+                yield node.entry
+            node = node.parent
+
+    def lookup(self, prompt: np.ndarray, max_candidates: int = 8) -> list[tuple[CacheEntry, int]]:
+        """Entries sharing the longest prefixes with ``prompt``, as ``(entry, common prefix length)``.
+
+        Returns the deepest entry that is a prefix of ``prompt`` and up to ``max_candidates`` entries below the point
+        where ``prompt`` leaves the tree (they all share exactly that many tokens with it), nearest first.
+        """
+        node, i = self.root, 0
+        prefix_entry: tuple[CacheEntry, int] | None = None
+        stop: _Node | None = None
+        while True:
+            if node.entry is not None:
+                prefix_entry = (node.entry, i)
+            if i >= len(prompt):
+                stop = node
+                break
+            child = node.children.get(int(prompt[i]))
+            if child is None:
+                stop = node
+                break
+            n = common_prefix(child.edge, prompt[i:])
+            if n < len(child.edge):
+                i += n
+                stop = child
+                break
+            node, i = child, i + n
+        found: list[tuple[CacheEntry, int]] = []
+        frontier = [stop]
+        while frontier and len(found) < max_candidates:
+            nxt: list[_Node] = []
+            for current in frontier:
+                if current.entry is not None and (prefix_entry is None or current.entry is not prefix_entry[0]):
+                    found.append((current.entry, i))
+                nxt.extend(current.children.values())
+            frontier = nxt
+        if prefix_entry is not None:
+            found.insert(0, prefix_entry)
+        return found[: max_candidates + 1]
+
+
+class PromptCache:
+    """A RAM prompt cache with byte and token budgets, shared-buffer accounting and LRU eviction.
+
+    :param max_bytes: Byte budget for the unique buffers held.
+    :param max_tokens: Token budget (sum of entry lengths), ``None`` for none.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_tokens: int | None = None) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 or None, got {max_tokens}")
+        self.max_bytes = max_bytes
+        self.max_tokens = max_tokens
+        self._indexes: dict[tuple[str, str], RadixIndex] = {}
+        self._lru: OrderedDict[int, CacheEntry] = OrderedDict()
+        # id(buffer) -> [references, buffer]; holding the buffer keeps its id unique while counted.
+        self._buffers: dict[int, list] = {}
+        self.resident_bytes = 0
+        self.n_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def entries(self) -> list[CacheEntry]:
+        """All entries, least recently used first."""
+        return list(self._lru.values())
+
+    def _index(self, namespace: str, fingerprint: str) -> RadixIndex:
+        key = (namespace, fingerprint)
+        index = self._indexes.get(key)
+        if index is None:
+            index = self._indexes[key] = RadixIndex()
+        return index
+
+    def new_bytes(self, entry: CacheEntry) -> int:
+        """Bytes ``entry`` would add: its buffers the cache does not hold yet."""
+        unique = {id(b): b for b in entry.buffers()}
+        return sum(int(b.nbytes) for key, b in unique.items() if key not in self._buffers)
+
+    def lookup(
+        self, namespace: str, fingerprint: str, prompt: np.ndarray, max_candidates: int = 8
+    ) -> list[tuple[CacheEntry, int]]:
+        """Candidate entries for ``prompt`` in one partition (see :meth:`RadixIndex.lookup`)."""
+        index = self._indexes.get((namespace, fingerprint))
+        if index is None or index.size == 0:
+            return []
+        return index.lookup(prompt, max_candidates)
+
+    def touch(self, entry: CacheEntry) -> None:
+        """Mark ``entry`` as just used."""
+        if id(entry) in self._lru:
+            self._lru.move_to_end(id(entry))
+            entry.hits += 1
+
+    def insert(
+        self,
+        entry: CacheEntry,
+        admit: Callable[[int], bool] = lambda n_bytes: True,
+        select_victims: Callable[[Sequence[CacheEntry], int], Sequence[CacheEntry]] | None = None,
+    ) -> tuple[bool, list[tuple[CacheEntry, str]]]:
+        """Add ``entry``, evicting what the budget requires.
+
+        An entry with the same tokens is replaced; entries of the same lineage that are strict prefixes of the new
+        one (all their checkpoints are in it) are dropped, since the new entry serves every prompt they serve.
+
+        :param admit: Called with the new bytes; ``False`` keeps the entry out.
+        :param select_victims: Picks victims among LRU-ordered entries for a byte shortfall (default: LRU order).
+        :return: ``(admitted, [(removed entry, reason), ...])``.
+        """
+        removed: list[tuple[CacheEntry, str]] = []
+        n_bytes = self.new_bytes(entry)
+        if n_bytes > self.max_bytes or (self.max_tokens is not None and entry.n_tokens > self.max_tokens):
+            return False, removed
+        if not admit(n_bytes):
+            return False, removed
+        select = select_victims or (lambda entries, missing: list(entries))
+        while self._over_budget(n_bytes, entry.n_tokens):
+            candidates = list(self._lru.values())
+            victims = list(select(candidates, self._bytes_missing(n_bytes)))
+            if not victims:
+                return False, removed
+            for victim in victims:
+                if not self._over_budget(n_bytes, entry.n_tokens):
+                    break
+                self.remove(victim)
+                removed.append((victim, "budget"))
+            n_bytes = self.new_bytes(entry)
+        index = self._index(entry.namespace, entry.fingerprint)
+        replaced = index.insert(entry)
+        if replaced is not None:
+            self._forget(replaced)
+            removed.append((replaced, "replaced"))
+        self._lru[id(entry)] = entry
+        self._account(entry, +1)
+        mine = {id(c) for c in entry.checkpoints}
+        for ancestor in list(index.ancestors(entry)):
+            if all(id(c) in mine for c in ancestor.checkpoints):
+                self.remove(ancestor)
+                removed.append((ancestor, "replaced"))
+        return True, removed
+
+    def _bytes_missing(self, n_bytes: int) -> int:
+        return max(0, self.resident_bytes + n_bytes - self.max_bytes)
+
+    def _over_budget(self, n_bytes: int, n_tokens: int) -> bool:
+        if self.resident_bytes + n_bytes > self.max_bytes:
+            return True
+        return self.max_tokens is not None and self.n_tokens + n_tokens > self.max_tokens
+
+    def remove(self, entry: CacheEntry) -> None:
+        """Drop ``entry`` from the cache (its buffers stay alive for other holders)."""
+        if id(entry) not in self._lru:
+            return
+        self._index(entry.namespace, entry.fingerprint).remove(entry)
+        self._forget(entry)
+
+    def _forget(self, entry: CacheEntry) -> None:
+        if self._lru.pop(id(entry), None) is not None:
+            self._account(entry, -1)
+
+    def _account(self, entry: CacheEntry, sign: int) -> None:
+        self.n_tokens += sign * entry.n_tokens
+        for buffer in {id(b): b for b in entry.buffers()}.values():
+            key = id(buffer)
+            if sign > 0:
+                slot = self._buffers.get(key)
+                if slot is None:
+                    self._buffers[key] = [1, buffer]
+                    self.resident_bytes += int(buffer.nbytes)
+                else:
+                    slot[0] += 1
+            else:
+                slot = self._buffers[key]
+                slot[0] -= 1
+                if slot[0] == 0:
+                    del self._buffers[key]
+                    self.resident_bytes -= int(buffer.nbytes)
+
+    def clear(self) -> list[CacheEntry]:
+        """Drop every entry; return them."""
+        entries = self.entries()
+        for entry in entries:
+            self.remove(entry)
+        return entries
+
+    def resize(self, max_bytes: int) -> list[CacheEntry]:
+        """Change the byte budget, evicting least recently used entries to fit; return the evicted ones."""
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        evicted = []
+        while self.resident_bytes > self.max_bytes and self._lru:
+            victim = next(iter(self._lru.values()))
+            self.remove(victim)
+            evicted.append(victim)
+        return evicted

@@ -1,0 +1,103 @@
+"""Immutable checkpoints and the state buffers they own.
+
+A state buffer is a one-dimensional ``uint8`` numpy array allocated uninitialized (``np.empty``: no zero-fill),
+written once by the backend and then frozen read-only. Everything that holds a checkpoint (a slot, the prompt cache,
+a saved state) holds a reference to the same buffer; nothing copies it. Restores hand the buffer's address to
+llama.cpp directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Literal
+
+import numpy as np
+
+StateBuffer = np.ndarray
+"""A read-only, C-contiguous ``uint8`` array holding serialized llama.cpp state."""
+
+
+def allocate_state_buffer(n_bytes: int) -> StateBuffer:
+    """Allocate an uninitialized buffer of ``n_bytes`` bytes (raises ``MemoryError`` when the allocator refuses)."""
+    if n_bytes < 0:
+        raise ValueError(f"negative state size {n_bytes}")
+    return np.empty(n_bytes, dtype=np.uint8)
+
+
+def freeze(buffer: StateBuffer) -> StateBuffer:
+    """Make ``buffer`` read-only in place and return it."""
+    buffer.flags.writeable = False
+    return buffer
+
+
+def as_state_buffer(data: bytes | bytearray | memoryview | np.ndarray) -> StateBuffer:
+    """View ``data`` as a read-only state buffer without copying it."""
+    if isinstance(data, np.ndarray):
+        if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
+            raise ValueError("state buffers are one-dimensional contiguous uint8 arrays")
+        if data.flags.writeable:
+            data = data.view()
+            data.flags.writeable = False
+        return data
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraState:
+    """Companion state contributed to a checkpoint by a plugin (see ``on_checkpoint_capture``).
+
+    :ivar kind: ``"draft"`` for a draft model's context state, ``"speculative"`` for a speculative decoder's state.
+    :ivar data: Read-only bytes.
+    """
+
+    kind: Literal["draft", "speculative"]
+    data: StateBuffer
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", as_state_buffer(self.data))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Checkpoint:
+    """An immutable snapshot of one sequence's state at a position.
+
+    Two checkpoints are equal only if they are the same object: identity is what sharing is about.
+
+    :ivar n_tokens: Tokens in the sequence when the snapshot was taken.
+    :ivar pos_min: Smallest position the snapshot's memory still held (the sliding window's start), -1 if empty.
+    :ivar pos_max: Largest position held (``n_tokens - 1``).
+    :ivar partial: ``True`` if only the part that cannot be truncated was captured (``PARTIAL_ONLY``: the sliding
+        window or the recurrent state); ``False`` for the full sequence state.
+    :ivar target: The target context's state bytes.
+    :ivar fingerprint: The model/context fingerprint the state belongs to.
+    :ivar draft: The draft model's state bytes, if a draft plugin contributed them.
+    :ivar speculative: The speculative decoder's state bytes, if a plugin contributed them.
+    """
+
+    n_tokens: int
+    pos_min: int
+    pos_max: int
+    partial: bool
+    target: StateBuffer = field(repr=False)
+    fingerprint: str = field(repr=False)
+    draft: StateBuffer | None = field(default=None, repr=False)
+    speculative: StateBuffer | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("target", "draft", "speculative"):
+            buffer = getattr(self, name)
+            if buffer is not None and buffer.flags.writeable:
+                raise ValueError(f"checkpoint {name} buffer must be frozen read-only before it is shared")
+
+    def buffers(self) -> Iterator[StateBuffer]:
+        """Yield every state buffer of this checkpoint."""
+        yield self.target
+        if self.draft is not None:
+            yield self.draft
+        if self.speculative is not None:
+            yield self.speculative
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by this checkpoint's buffers."""
+        return sum(int(b.nbytes) for b in self.buffers())

@@ -1,0 +1,59 @@
+"""Settings of a checkpoint manager, from keyword arguments or ``CKPT_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .cache import DEFAULT_MAX_BYTES
+
+
+def physical_memory_bytes() -> int:
+    """Total physical memory of this machine in bytes (0 if the platform does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class CheckpointSettings(BaseSettings):
+    """What a :class:`~ckpt_plugin.manager.CheckpointManager` does and how much memory it may use.
+
+    Unknown keys are refused with an error naming them. See ``docs/configuration.md`` for the reasoning behind each
+    default.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="CKPT_", extra="forbid", validate_assignment=True)
+
+    max_checkpoints: int = Field(32, ge=0, description="Checkpoints kept per slot (llama.cpp: n_ctx_checkpoints).")
+    checkpoint_min_step: int = Field(
+        256,
+        ge=1,
+        description="Minimum spacing in tokens of checkpoints inside a prompt (llama.cpp: 8192, sized for long "
+        "contexts; 256 keeps the re-evaluation after a deep edit small on the contexts this runs on).",
+    )
+    cache_max_bytes: int = Field(DEFAULT_MAX_BYTES, ge=0, description="Prompt-cache byte budget (unique bytes).")
+    cache_max_tokens: int | None = Field(None, ge=0, description="Prompt-cache token budget; None for none.")
+    cache_min_tokens: int = Field(
+        32, ge=1, description="A slot state shorter than this is not worth a cache entry when the slot switches."
+    )
+    cache_min_discard: int = Field(
+        16,
+        ge=1,
+        description="The live state goes into the cache before a new prompt discards at least this many of its "
+        "tokens, so that coming back to it is a hit.",
+    )
+    namespace: str = Field("default", min_length=1, description="Cache partition of this manager's requests.")
+    load_entrypoints: bool = Field(True, description="Load plugins from the 'ckpt_plugin' entry-point group.")
+
+    @field_validator("cache_max_bytes")
+    @classmethod
+    def _fits_in_memory(cls, value: int) -> int:
+        total = physical_memory_bytes()
+        if total and value > total:
+            raise ValueError(
+                f"cache_max_bytes={value} is larger than this machine's physical memory ({total} bytes)"
+            )
+        return value

@@ -1,0 +1,346 @@
+"""The only module that touches ``llama_cpp``: state get/set, memory kind, fingerprint, attach and detach.
+
+:func:`attach` patches five methods on one ``llama_cpp.Llama`` instance (never the class):
+
+- ``generate``: before the host's own prefix matching runs, the manager restores the best state for the prompt
+  (live memory, checkpoint or prompt-cache entry) and sets the host's ``n_tokens`` to what the memory holds, so the
+  host's ``kv_cache_seq_rm`` is a no-op and its destructive fallbacks (clearing a recurrent memory, truncating a
+  sliding window that lost the prefix) never run;
+- ``eval``: evaluates through the manager, which pauses where checkpoints are taken;
+- ``save_state`` / ``load_state``: return and accept a :class:`SharedLlamaState` that references an immutable
+  full-state capture and the slot's checkpoints instead of copying the state and the logits array;
+- ``set_cache``: installs :class:`HostPromptCache`, a ``BaseLlamaCache`` view of the manager's prefix-indexed cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import inspect
+import os
+from typing import Any, Iterator, Sequence
+
+import llama_cpp
+import numpy as np
+from llama_cpp.llama import Llama, LlamaState
+from llama_cpp.llama_cache import BaseLlamaCache
+
+from .cache import CacheEntry, PromptCache
+from .config import CheckpointSettings
+from .errors import UnsupportedHostError
+from .manager import CheckpointManager
+from .policy import MemoryKind
+
+TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
+"""llama-cpp-python versions attach accepts: from the first (inclusive) to the second (exclusive)."""
+
+_PATCHED = ("eval", "generate", "save_state", "load_state", "set_cache")
+_MANAGER_ATTR = "_ckpt_plugin_attachment"
+_u8_p = ctypes.POINTER(ctypes.c_uint8)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _flags(partial: bool) -> int:
+    return llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else llama_cpp.LLAMA_STATE_SEQ_FLAGS_NONE
+
+
+def memory_kind(llama: Llama) -> MemoryKind:
+    """What kind of memory ``llama``'s context has."""
+    model = llama.model
+    recurrent = bool(llama_cpp.llama_model_is_recurrent(model))
+    hybrid = bool(llama_cpp.llama_model_is_hybrid(model))
+    return MemoryKind(
+        n_swa=int(llama_cpp.llama_model_n_swa(model)),
+        swa_full=bool(llama.context_params.swa_full),
+        recurrent=recurrent or hybrid,
+        attention=hybrid or not recurrent,
+    )
+
+
+def fingerprint(llama: Llama) -> str:
+    """A digest of what makes a state restorable: model file identity, context and cache settings, LoRAs."""
+    params = llama.context_params
+    try:
+        stat = os.stat(llama.model_path)
+        file_id = (os.path.realpath(llama.model_path), stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        file_id = (str(llama.model_path), -1, -1)
+    desc = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(llama.model, desc, ctypes.sizeof(desc))
+    parts = (
+        file_id,
+        desc.value,
+        int(llama_cpp.llama_model_n_params(llama.model)),
+        int(llama.n_ctx()),
+        int(params.type_k),
+        int(params.type_v),
+        bool(params.swa_full),
+        int(params.flash_attn_type),
+        bool(params.embeddings),
+        str(getattr(llama, "lora_path", None)),
+        float(getattr(llama, "lora_scale", 1.0) or 1.0),
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+class LlamaBackend:
+    """Sequence 0 of a ``llama_cpp.Llama`` context, as the manager's :class:`~ckpt_plugin.manager.Backend`."""
+
+    def __init__(self, llama: Llama) -> None:
+        self.llama = llama
+        self.kind = memory_kind(llama)
+        self.fingerprint = fingerprint(llama)
+        self.n_ctx = int(llama.n_ctx())
+        self._memory = llama_cpp.llama_get_memory(llama.ctx)
+        self._eval = type(llama).eval.__get__(llama)
+
+    @property
+    def _ctx(self) -> Any:
+        return self.llama.ctx
+
+    def state_size(self, partial: bool) -> int:
+        return int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, _flags(partial)))
+
+    def read_state(self, buffer: np.ndarray, partial: bool) -> int:
+        return int(
+            llama_cpp.llama_state_seq_get_data_ext(
+                self._ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, 0, _flags(partial)
+            )
+        )
+
+    def write_state(self, buffer: np.ndarray, partial: bool) -> int:
+        # The read-only buffer is handed over by address: llama.cpp only reads it.
+        return int(
+            llama_cpp.llama_state_seq_set_data_ext(
+                self._ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, 0, _flags(partial)
+            )
+        )
+
+    def pos_min(self) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_min(self._memory, 0))
+
+    def pos_max(self) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_max(self._memory, 0))
+
+    def truncate(self, n_keep: int) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1))
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_seq_rm(self._memory, 0, -1, -1)
+
+    def decode(self, tokens: np.ndarray) -> None:
+        self._eval(tokens.tolist())
+
+
+class SharedLlamaState(LlamaState):
+    """A ``LlamaState`` that references an immutable prompt-cache entry instead of copying the state.
+
+    ``llama_state`` is a read-only ``memoryview`` of the captured bytes; ``scores`` is empty because restoring
+    always re-evaluates the last prompt token (fresh logits). Pickling it produces a plain ``LlamaState`` copy.
+    """
+
+    def __init__(self, entry: CacheEntry, seed: int) -> None:
+        self.entry = entry
+        self.input_ids = entry.tokens
+        self.scores = np.empty((0, 0), dtype=np.single)
+        self.n_tokens = entry.n_tokens
+        self.llama_state = memoryview(entry.state.target)
+        self.llama_state_size = int(entry.state.target.nbytes)
+        self.seed = seed
+
+    def __reduce__(self) -> tuple:
+        raise TypeError(
+            "SharedLlamaState references a live sequence-state capture and cannot be pickled; "
+            "use the manager's persistence API to store it"
+        )
+
+
+class HostPromptCache(BaseLlamaCache):
+    """``BaseLlamaCache`` interface over a manager's prompt cache, installed by the patched ``set_cache``."""
+
+    def __init__(self, manager: CheckpointManager, llama: Llama) -> None:
+        super().__init__(manager.cache.max_bytes)
+        self.manager = manager
+        self._llama = llama
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def cache_size(self) -> int:
+        return self.manager.cache.resident_bytes
+
+    def _best(self, key: Sequence[int]) -> CacheEntry | None:
+        prompt = np.asarray(key, dtype=np.int32)
+        candidates = self.manager.cache.lookup(self.manager.settings.namespace, self.manager.fingerprint, prompt)
+        best = max(candidates, key=lambda pair: pair[1], default=None)
+        return best[0] if best is not None and best[1] > 0 else None
+
+    def __getitem__(self, key: Sequence[int]) -> LlamaState:
+        entry = self._best(key)
+        if entry is None:
+            raise KeyError("no cached prompt shares a prefix with this key")
+        return SharedLlamaState(entry, self._llama._seed)
+
+    def __contains__(self, key: Sequence[int]) -> bool:
+        return self._best(key) is not None
+
+    def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
+        if not isinstance(value, SharedLlamaState):
+            raise TypeError("only states from an attached Llama's save_state() can be cached here")
+        self.manager._insert(value.entry)
+
+
+class _Attachment:
+    """The patches installed on one ``Llama`` and what they replaced."""
+
+    def __init__(self, llama: Llama, manager: CheckpointManager) -> None:
+        self.llama = llama
+        self.manager = manager
+        self.saved = {name: llama.__dict__[name] for name in _PATCHED if name in llama.__dict__}
+        self.saved_cache = llama.cache
+        self.prompt_end: int | None = None
+        self._generate = type(llama).generate.__get__(llama)
+        self._load_state = type(llama).load_state.__get__(llama)
+        self._generate_signature = inspect.signature(type(llama).generate)
+
+    def install(self) -> None:
+        llama = self.llama
+        llama.eval = self.eval
+        llama.generate = self.generate
+        llama.save_state = self.save_state
+        llama.load_state = self.load_state
+        llama.set_cache = self.set_cache
+        if llama.cache is not None:
+            self.set_cache(llama.cache)
+        setattr(llama, _MANAGER_ATTR, self)
+
+    def uninstall(self) -> None:
+        llama = self.llama
+        for name in _PATCHED:
+            llama.__dict__.pop(name, None)
+        llama.__dict__.update(self.saved)
+        llama.cache = self.saved_cache
+        llama.__dict__.pop(_MANAGER_ATTR, None)
+
+    def _sync_host(self, n_keep: int, tokens: np.ndarray) -> None:
+        llama = self.llama
+        llama.input_ids[:n_keep] = tokens[:n_keep]
+        llama.n_tokens = n_keep
+        llama._requires_eval = True
+
+    # -- patched methods --------------------------------------------------------------------------------------------
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        llama, manager = self.llama, self.manager
+        new = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        manager.reconcile()
+        n_host = llama.n_tokens
+        slot = manager.slot
+        if n_host != slot.n_tokens or (len(new) > 1 and not np.array_equal(llama.input_ids[:n_host], slot.tokens)):
+            wanted = np.concatenate((llama.input_ids[:n_host].astype(np.int32), new))
+            n_keep = manager.prepare(wanted)
+            self._sync_host(n_keep, wanted)
+            new = wanted[n_keep:]
+        prompt_end = self.prompt_end if self.prompt_end is not None else llama.n_tokens + len(new)
+        manager.process(new, prompt_end)
+
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
+        bound = self._generate_signature.bind(self.llama, tokens, *args, **kwargs)
+        reset = bound.arguments.get("reset", True)
+        return self._generate_with_prepare(list(tokens), reset, args, kwargs)
+
+    def _generate_with_prepare(
+        self, tokens: list[int], reset: bool, args: tuple, kwargs: dict
+    ) -> Iterator[int]:
+        if reset and tokens:
+            prompt = np.asarray(tokens, dtype=np.int32)
+            n_keep = self.manager.prepare(prompt)
+            self._sync_host(n_keep, prompt)
+        self.prompt_end = len(tokens) if reset else self.llama.n_tokens + len(tokens)
+        try:
+            yield from self._generate(tokens, *args, **kwargs)
+        finally:
+            self.prompt_end = None
+
+    def save_state(self) -> SharedLlamaState:
+        self.manager.reconcile()
+        return SharedLlamaState(self.manager.save(), self.llama._seed)
+
+    def load_state(self, state: LlamaState) -> None:
+        if isinstance(state, SharedLlamaState):
+            n_keep = self.manager.load(state.entry)
+            self._sync_host(n_keep, state.entry.tokens)
+            self.llama._seed = state.seed
+            return
+        self._load_state(state)
+        self.manager.adopt_memory(np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32))
+
+    def set_cache(self, cache: BaseLlamaCache | None) -> None:
+        if cache is None or isinstance(cache, HostPromptCache):
+            self.llama.cache = cache
+            return
+        capacity = getattr(cache, "capacity_bytes", None)
+        if capacity is not None:
+            self.manager.resize_cache(int(capacity))
+        self.llama.cache = HostPromptCache(self.manager, self.llama)
+
+
+def attach(
+    llama: Llama,
+    settings: CheckpointSettings | None = None,
+    *,
+    cache: PromptCache | None = None,
+    **overrides: Any,
+) -> CheckpointManager:
+    """Give ``llama`` shared checkpoints and a prefix-indexed prompt cache; return its manager.
+
+    :param llama: A ``llama_cpp.Llama`` created by the host.
+    :param settings: :class:`~ckpt_plugin.config.CheckpointSettings`; keyword arguments override fields.
+    :param cache: A :class:`~ckpt_plugin.cache.PromptCache` shared with other managers of the same model.
+    :raises UnsupportedHostError: ``llama`` is not a ``Llama``, is already attached, serves embeddings, or
+        llama-cpp-python is outside the tested versions; nothing is patched then.
+    """
+    if not isinstance(llama, Llama):
+        raise UnsupportedHostError(f"attach() needs a llama_cpp.Llama, got {type(llama).__name__}")
+    version = _version_tuple(getattr(llama_cpp, "__version__", "0"))
+    low, high = TESTED_VERSIONS
+    if not (low <= version < high):
+        raise UnsupportedHostError(
+            f"llama-cpp-python {llama_cpp.__version__} is outside the tested range "
+            f"{'.'.join(map(str, low))} to {'.'.join(map(str, high))} (exclusive)"
+        )
+    if getattr(llama, _MANAGER_ATTR, None) is not None:
+        raise UnsupportedHostError("this Llama is already attached; detach() it first")
+    if llama.context_params.embeddings:
+        raise UnsupportedHostError("embedding contexts have no generation state to checkpoint")
+    if getattr(llama, "_ctx", None) is None or llama_cpp.llama_get_memory(llama.ctx) is None:
+        raise UnsupportedHostError("this Llama has no context memory (closed, or created without one)")
+    manager = CheckpointManager(LlamaBackend(llama), settings, cache=cache, **overrides)
+    attachment = _Attachment(llama, manager)
+    attachment.install()
+    manager.call_hook("on_attach", manager=manager)
+    return manager
+
+
+def detach(llama: Llama) -> CheckpointManager:
+    """Undo :func:`attach`: restore ``llama``'s own methods and cache; return the (closed) manager."""
+    attachment = getattr(llama, _MANAGER_ATTR, None)
+    if attachment is None:
+        raise UnsupportedHostError("this Llama is not attached")
+    attachment.uninstall()
+    attachment.manager.close()
+    return attachment.manager
+
+
+def manager_of(llama: Llama) -> CheckpointManager | None:
+    """The manager attached to ``llama``, or ``None``."""
+    attachment = getattr(llama, _MANAGER_ATTR, None)
+    return attachment.manager if attachment is not None else None

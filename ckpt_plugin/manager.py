@@ -1,0 +1,613 @@
+"""The checkpoint manager: ties the policy, the prompt cache and the hooks to one model's memory.
+
+Data flows one way: the host asks the manager to :meth:`~CheckpointManager.prepare` a prompt (restore the best state
+for it) and to :meth:`~CheckpointManager.process` the tokens that remain; the manager calls the backend (the only
+code that touches llama.cpp) and the hooks, and keeps the slot, its checkpoints and the cache consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Protocol, Sequence
+
+import numpy as np
+import pluggy
+
+from . import hooks
+from .cache import CacheEntry, PromptCache
+from .checkpoint import Checkpoint, ExtraState, allocate_state_buffer, freeze
+from .config import CheckpointSettings
+from .errors import IncompatibleStateError, PluginError
+from .hooks import PROJECT_NAME, hookimpl
+from .policy import (
+    CheckpointRules,
+    MemoryKind,
+    Reuse,
+    best_reuse,
+    checkpoints_to_erase,
+    common_prefix,
+    pause_points,
+    want_checkpoint,
+)
+
+log = logging.getLogger("ckpt_plugin")
+
+DEFAULT_PLUGIN_NAME = "ckpt_plugin.default"
+
+
+class Backend(Protocol):
+    """What the manager needs from a model context (implemented by :mod:`ckpt_plugin.llama_backend`)."""
+
+    kind: MemoryKind
+    fingerprint: str
+    n_ctx: int
+
+    def state_size(self, partial: bool) -> int:
+        """Bytes a capture of sequence 0 needs."""
+
+    def read_state(self, buffer: np.ndarray, partial: bool) -> int:
+        """Serialize sequence 0 into ``buffer`` with one call; return the bytes written."""
+
+    def write_state(self, buffer: np.ndarray, partial: bool) -> int:
+        """Load sequence 0 from ``buffer`` without copying it; return the bytes read (0 on failure)."""
+
+    def pos_min(self) -> int:
+        """Smallest position held for sequence 0 (-1 if empty)."""
+
+    def pos_max(self) -> int:
+        """Largest position held for sequence 0 (-1 if empty)."""
+
+    def truncate(self, n_keep: int) -> bool:
+        """Remove positions ``>= n_keep`` of sequence 0."""
+
+    def clear(self) -> None:
+        """Empty sequence 0."""
+
+    def decode(self, tokens: np.ndarray) -> None:
+        """Evaluate ``tokens`` after the memory's end (host bookkeeping included)."""
+
+
+class Slot:
+    """One live sequence: the tokens its memory holds, its lineage and its checkpoints (oldest first).
+
+    The lineage is the token sequence the checkpoints were taken on; the memory holds a prefix of it. Truncating
+    the memory keeps the lineage (and so the checkpoints past the cut stay usable); evaluating tokens that differ
+    from the lineage rewrites it, and the checkpoints past the divergence are erased.
+
+    :ivar id: Slot id (sequence id in the context).
+    :ivar n_tokens: Tokens the memory holds.
+    :ivar checkpoints: Partial checkpoints of the lineage.
+    :ivar version: Incremented on every change of the memory, so cached captures know when they are stale.
+    """
+
+    def __init__(self, slot_id: int, capacity: int) -> None:
+        self.id = slot_id
+        self._tokens = np.zeros(max(capacity, 1), dtype=np.int32)
+        self.n_tokens = 0
+        self.n_lineage = 0
+        self.checkpoints: list[Checkpoint] = []
+        self.version = 0
+
+    @staticmethod
+    def _readonly(view: np.ndarray) -> np.ndarray:
+        view.flags.writeable = False
+        return view
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Read-only view of the tokens in memory."""
+        return self._readonly(self._tokens[: self.n_tokens])
+
+    @property
+    def lineage(self) -> np.ndarray:
+        """Read-only view of the lineage (``tokens`` is a prefix of it)."""
+        return self._readonly(self._tokens[: self.n_lineage])
+
+    def _reserve(self, n: int) -> None:
+        if n > len(self._tokens):
+            self._tokens = np.resize(self._tokens, max(n, 2 * len(self._tokens)))
+
+    def _set(self, lineage: np.ndarray, n_memory: int | None = None) -> None:
+        n = len(lineage)
+        self._reserve(n)
+        self._tokens[:n] = lineage
+        self.n_lineage = n
+        self.n_tokens = n if n_memory is None else min(n_memory, n)
+        self.version += 1
+
+    def _append(self, tokens: np.ndarray) -> int | None:
+        """Append evaluated tokens; return where the lineage was rewritten from, or ``None`` if it was not."""
+        start, end = self.n_tokens, self.n_tokens + len(tokens)
+        self.version += 1
+        overlap = max(0, min(end, self.n_lineage) - start)
+        same = common_prefix(self._tokens[start : start + overlap], tokens[:overlap]) if overlap else 0
+        if same == len(tokens):
+            self.n_tokens = end
+            return None
+        self._reserve(end)
+        self._tokens[start:end] = tokens
+        self.n_tokens = self.n_lineage = end
+        return start + same
+
+    def _truncate(self, n_keep: int) -> None:
+        self.n_tokens = min(self.n_tokens, n_keep)
+        self.version += 1
+
+
+@dataclass
+class Counters:
+    """Monotonic counters of a manager (see :meth:`CheckpointManager.stats`)."""
+
+    prompts: int = 0
+    tokens_evaluated: int = 0
+    tokens_reused: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_saves: int = 0
+    cache_evictions: int = 0
+    checkpoints_created: int = 0
+    checkpoints_restored: int = 0
+    checkpoints_erased: int = 0
+    forced_reprocess: int = 0
+    tokens_reprocessed: int = 0
+    capture_failures: int = 0
+    bytes_captured: int = 0
+    bytes_restored: int = 0
+    restore_seconds: float = 0.0
+
+
+class DefaultPlugin:
+    """The manager's own behaviour, registered as ``ckpt_plugin.default`` and called last."""
+
+    @hookimpl(trylast=True)
+    def checkpoint_wanted(self, manager: CheckpointManager, slot: Slot, position: int, prompt_end: int) -> bool:
+        return want_checkpoint(
+            manager.kind, manager.rules, slot.checkpoints, position, prompt_end, manager.backend.pos_min()
+        )
+
+    @hookimpl(trylast=True)
+    def on_prompt_processed(
+        self, manager: CheckpointManager, slot: Slot, start: int, end: int, prompt_end: int
+    ) -> None:
+        if manager.call_hook("checkpoint_wanted", manager=manager, slot=slot, position=end, prompt_end=prompt_end):
+            manager.checkpoint()
+
+    @hookimpl(trylast=True)
+    def on_cache_alloc(self, manager: CheckpointManager, namespace: str, n_tokens: int, n_bytes: int) -> bool:
+        return True
+
+    @hookimpl(trylast=True)
+    def select_cache_victims(
+        self, manager: CheckpointManager, entries: Sequence[CacheEntry], n_bytes: int
+    ) -> list[CacheEntry]:
+        victims, freed = [], 0
+        for entry in entries:
+            if freed >= n_bytes:
+                break
+            victims.append(entry)
+            freed += entry.nbytes
+        return victims
+
+
+class CheckpointManager:
+    """Checkpoints and prompt cache for one model context.
+
+    Usually made by :func:`ckpt_plugin.attach`; can be built on any :class:`Backend`.
+
+    :param backend: The model context.
+    :param settings: Settings; keyword overrides are applied on top.
+    :param cache: A prompt cache to share with other managers of the same model; a private one by default.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        settings: CheckpointSettings | None = None,
+        cache: PromptCache | None = None,
+        **overrides: Any,
+    ) -> None:
+        base = settings.model_dump() if settings is not None else {}
+        self.settings = CheckpointSettings(**{**base, **overrides})
+        self.backend = backend
+        self.kind = backend.kind
+        self.fingerprint = backend.fingerprint
+        self.rules = CheckpointRules(self.settings.max_checkpoints, self.settings.checkpoint_min_step)
+        self.cache = cache if cache is not None else PromptCache(
+            self.settings.cache_max_bytes, self.settings.cache_max_tokens
+        )
+        self.slot = Slot(0, backend.n_ctx)
+        self.counters = Counters()
+        self._full_capture: tuple[int, Checkpoint] | None = None
+        self.plugins = pluggy.PluginManager(PROJECT_NAME)
+        self.plugins.add_hookspecs(hooks)
+        self.plugins.register(DefaultPlugin(), name=DEFAULT_PLUGIN_NAME)
+        if self.settings.load_entrypoints:
+            self.plugins.load_setuptools_entrypoints(PROJECT_NAME)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # hooks
+
+    def call_hook(self, name: str, **kwargs: Any) -> Any:
+        """Call hook ``name``; an implementation's exception becomes a :class:`PluginError` naming the plugin."""
+        caller = getattr(self.plugins.hook, name)
+        try:
+            return caller(**kwargs)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(self._culprit(caller, exc), name, exc) from exc
+
+    @staticmethod
+    def _culprit(caller: Any, exc: BaseException) -> str:
+        owners = {}
+        for impl in caller.get_hookimpls():
+            code = getattr(impl.function, "__code__", None)
+            if code is not None:
+                owners[code] = impl.plugin_name
+        tb = exc.__traceback__
+        while tb is not None:
+            name = owners.get(tb.tb_frame.f_code)
+            if name is not None:
+                return name
+            tb = tb.tb_next
+        return "<unknown>"
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # captures and restores
+
+    def _capture(self, partial: bool) -> Checkpoint | None:
+        slot = self.slot
+        size = int(self.backend.state_size(partial))
+        try:
+            buffer = allocate_state_buffer(size)
+        except MemoryError:
+            # Make room by shrinking the cache budget instead of failing the request.
+            shrunk = max(0, self.cache.resident_bytes - size)
+            log.warning("allocation of %d state bytes failed; prompt-cache budget shrunk to %d", size, shrunk)
+            self._note_evictions(self.cache.resize(shrunk), "budget")
+            self.counters.capture_failures += 1
+            self.call_hook("on_capture_failed", manager=self, slot=slot, expected=size, written=0)
+            return None
+        written = int(self.backend.read_state(buffer, partial))
+        if written != size:
+            log.warning("state capture wrote %d of %d bytes; no checkpoint taken", written, size)
+            self.counters.capture_failures += 1
+            self.call_hook("on_capture_failed", manager=self, slot=slot, expected=size, written=written)
+            return None
+        self.counters.bytes_captured += written
+        extras: list[ExtraState] = [
+            e for e in self.call_hook(
+                "on_checkpoint_capture", manager=self, slot=slot, n_tokens=slot.n_tokens, partial=partial
+            ) if e is not None
+        ]
+        by_kind = {extra.kind: extra.data for extra in extras}
+        pos_max = int(self.backend.pos_max())
+        return Checkpoint(
+            n_tokens=slot.n_tokens,
+            pos_min=self.kind.restored_pos_min(int(self.backend.pos_min()), pos_max),
+            pos_max=pos_max,
+            partial=partial,
+            target=freeze(buffer),
+            fingerprint=self.fingerprint,
+            draft=by_kind.get("draft"),
+            speculative=by_kind.get("speculative"),
+        )
+
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.fingerprint != self.fingerprint:
+            raise IncompatibleStateError(
+                f"state belongs to model/context {checkpoint.fingerprint}, this context is {self.fingerprint}"
+            )
+        read = int(self.backend.write_state(checkpoint.target, checkpoint.partial))
+        if read != checkpoint.target.nbytes:
+            # llama.cpp leaves the sequence undefined after a failed load: start from an empty one.
+            self.backend.clear()
+            self._drop_slot_state("cleared")
+            raise IncompatibleStateError(
+                f"llama.cpp refused the state ({read} of {checkpoint.target.nbytes} bytes read); the slot was cleared"
+            )
+        self.counters.bytes_restored += read
+
+    def checkpoint(self) -> Checkpoint | None:
+        """Take a partial checkpoint of the slot now and keep it (``None`` if the capture failed)."""
+        slot = self.slot
+        checkpoint = self._capture(partial=True)
+        if checkpoint is None:
+            return None
+        slot.checkpoints.append(checkpoint)
+        self.counters.checkpoints_created += 1
+        for victim in checkpoints_to_erase(slot.checkpoints, self.settings.max_checkpoints):
+            slot.checkpoints.remove(victim)
+            self._erased(victim, "limit")
+        self.call_hook("on_checkpoint_created", manager=self, slot=slot, checkpoint=checkpoint)
+        return checkpoint
+
+    def _erased(self, checkpoint: Checkpoint, reason: str) -> None:
+        self.counters.checkpoints_erased += 1
+        self.call_hook("on_checkpoint_erased", manager=self, slot=self.slot, checkpoint=checkpoint, reason=reason)
+
+    def _drop_slot_state(self, reason: str) -> None:
+        slot = self.slot
+        dropped, slot.checkpoints = slot.checkpoints, []
+        slot._set(slot.tokens[:0])
+        for checkpoint in dropped:
+            self._erased(checkpoint, reason)
+
+    def save(self) -> CacheEntry:
+        """Capture the slot's full state with its checkpoints, as an entry (not inserted in the cache).
+
+        The capture is reused while the memory does not change, so saving twice copies nothing the second time.
+        """
+        slot = self.slot
+        if self._full_capture is not None and self._full_capture[0] == slot.version:
+            state = self._full_capture[1]
+        else:
+            captured = self._capture(partial=False)
+            if captured is None:
+                raise MemoryError("the slot's state could not be captured")
+            state = captured
+            self._full_capture = (slot.version, state)
+        tokens = slot.tokens.copy()
+        tokens.flags.writeable = False
+        checkpoints = tuple(c for c in slot.checkpoints if c.n_tokens <= slot.n_tokens)
+        return CacheEntry(tokens, state, checkpoints, self.settings.namespace)
+
+    def load(self, entry: CacheEntry) -> int:
+        """Restore a saved entry into the slot (the entry stays valid); return the tokens now in memory."""
+        if entry.fingerprint != self.fingerprint:
+            raise IncompatibleStateError(
+                f"state belongs to model/context {entry.fingerprint}, this context is {self.fingerprint}"
+            )
+        started = time.perf_counter()
+        self._restore(entry.state)
+        self._adopt(entry.tokens, entry.checkpoints, len(entry.tokens))
+        self._full_capture = (self.slot.version, entry.state)
+        self.counters.restore_seconds += time.perf_counter() - started
+        self.call_hook("on_slot_restore", manager=self, slot=self.slot, checkpoint=None, entry=entry,
+                       n_tokens=self.slot.n_tokens)
+        return self.slot.n_tokens
+
+    def save_to_cache(self, namespace: str | None = None) -> CacheEntry | None:
+        """Put the slot's state into the prompt cache; return the entry, or ``None`` if it was not admitted."""
+        entry = self.save()
+        if namespace is not None:
+            entry.namespace = namespace
+        return entry if self._insert(entry) else None
+
+    def _insert(self, entry: CacheEntry) -> bool:
+        admitted, removed = self.cache.insert(
+            entry,
+            admit=lambda n_bytes: self.call_hook(
+                "on_cache_alloc", manager=self, namespace=entry.namespace, n_tokens=entry.n_tokens, n_bytes=n_bytes
+            ) is not False,
+            select_victims=lambda entries, n_bytes: self.call_hook(
+                "select_cache_victims", manager=self, entries=entries, n_bytes=n_bytes
+            ) or [],
+        )
+        for victim, reason in removed:
+            self._note_evictions([victim], reason)
+        if admitted:
+            self.counters.cache_saves += 1
+        return admitted
+
+    def _note_evictions(self, entries: Iterable[CacheEntry], reason: str) -> None:
+        for entry in entries:
+            if reason == "budget":
+                self.counters.cache_evictions += 1
+            self.call_hook("on_cache_evict", manager=self, entry=entry, reason=reason)
+
+    def clear_cache(self) -> int:
+        """Drop every prompt-cache entry; return how many there were."""
+        entries = self.cache.clear()
+        self._note_evictions(entries, "cleared")
+        return len(entries)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # the request path
+
+    def reconcile(self) -> None:
+        """Bring the slot in line with the memory if something outside the manager changed it."""
+        slot = self.slot
+        held = int(self.backend.pos_max()) + 1
+        if held == slot.n_tokens:
+            return
+        if held < slot.n_tokens:
+            slot._truncate(held)
+        else:
+            # Tokens we never saw: their identity is unknown, so the memory cannot be reused safely.
+            self.backend.clear()
+            slot._truncate(0)
+
+    def adopt_memory(self, tokens: np.ndarray) -> None:
+        """The memory was loaded outside the manager and holds ``tokens``: forget the old lineage."""
+        old = self.slot.checkpoints
+        self.slot.checkpoints = []
+        self.slot._set(np.asarray(tokens, dtype=np.int32))
+        self._full_capture = None
+        for checkpoint in old:
+            self._erased(checkpoint, "invalidated")
+
+    def _adopt(self, lineage: np.ndarray, checkpoints: Sequence[Checkpoint], n_keep: int) -> None:
+        """Make the slot hold ``lineage[:n_keep]`` with the lineage's checkpoints."""
+        slot = self.slot
+        old = slot.checkpoints
+        slot._set(lineage, n_keep)
+        slot.checkpoints = list(checkpoints)
+        kept = {id(c) for c in slot.checkpoints}
+        for checkpoint in old:
+            if id(checkpoint) not in kept:
+                self._erased(checkpoint, "invalidated")
+
+    def _invalidate_after(self, position: int) -> None:
+        slot = self.slot
+        dropped = [c for c in slot.checkpoints if c.n_tokens > position]
+        if dropped:
+            slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= position]
+            for checkpoint in dropped:
+                self._erased(checkpoint, "invalidated")
+
+    def resize_cache(self, max_bytes: int) -> None:
+        """Change the prompt cache's byte budget (validated like ``cache_max_bytes``), evicting to fit."""
+        self.settings.cache_max_bytes = max_bytes
+        self._note_evictions(self.cache.resize(max_bytes), "budget")
+
+    def plan(self, prompt: np.ndarray) -> tuple[CacheEntry | None, Reuse, Reuse]:
+        """How ``prompt`` would be served: ``(cache entry or None, chosen reuse, reuse of the live memory)``."""
+        slot = self.slot
+        limit = max(len(prompt) - 1, 0)
+        live = best_reuse(
+            self.kind, slot.lineage, slot.n_tokens, int(self.backend.pos_min()), slot.checkpoints, prompt, limit
+        )
+        chosen_entry, chosen = None, live
+        if live.n_keep < limit:
+            for entry, _ in self.cache.lookup(self.settings.namespace, self.fingerprint, prompt):
+                reuse = best_reuse(
+                    self.kind, entry.tokens, entry.n_tokens, entry.pos_min, entry.checkpoints, prompt, limit
+                )
+                if reuse.n_keep > chosen.n_keep:
+                    chosen_entry, chosen = entry, reuse
+        return chosen_entry, chosen, live
+
+    def prepare(self, prompt: Sequence[int] | np.ndarray) -> int:
+        """Make the memory hold the longest prefix of ``prompt`` that can be served without evaluation.
+
+        Looks at the live memory, the slot's checkpoints and the prompt cache; saves the live state into the cache
+        first when the new prompt would discard enough of it. At least one prompt token is always left to evaluate.
+
+        :return: ``n_keep``: the memory now holds ``prompt[:n_keep]``.
+        """
+        prompt = np.asarray(prompt, dtype=np.int32)
+        slot = self.slot
+        self.reconcile()
+        self.counters.prompts += 1
+        entry, chosen, live = self.plan(prompt)
+        n_keep = chosen.n_keep
+        kept_live = n_keep if entry is None else 0
+        discarded = slot.n_tokens - kept_live
+        if discarded >= self.settings.cache_min_discard and slot.n_tokens >= self.settings.cache_min_tokens:
+            self.save_to_cache()
+        if entry is None and chosen.checkpoint is None:
+            if n_keep < slot.n_tokens:
+                self._cut(n_keep)
+        else:
+            started = time.perf_counter()
+            if entry is not None:
+                self.counters.cache_hits += 1
+                self.call_hook("on_cache_hit", manager=self, slot=slot, entry=entry, n_tokens=n_keep)
+                if not (self.kind.partial_is_complete and chosen.checkpoint is not None):
+                    self._restore(entry.state)
+                self.cache.touch(entry)
+            if chosen.checkpoint is not None:
+                self._restore(chosen.checkpoint)
+                self.counters.checkpoints_restored += 1
+            self._cut(n_keep)
+            if entry is not None:
+                self._adopt(entry.tokens, entry.checkpoints, n_keep)
+            self.counters.restore_seconds += time.perf_counter() - started
+            self.call_hook("on_slot_restore", manager=self, slot=slot, checkpoint=chosen.checkpoint, entry=entry,
+                           n_tokens=n_keep)
+        if entry is None and n_keep < live.n_common:
+            self.counters.forced_reprocess += 1
+            self.counters.tokens_reprocessed += live.n_common - n_keep
+            reason = (
+                "recurrent state cannot be truncated" if self.kind.recurrent else "sliding window lost the prefix"
+            )
+            log.info("re-processing %d tokens the memory shared with the prompt: %s", live.n_common - n_keep, reason)
+            self.call_hook("on_full_reprocess", manager=self, slot=slot, n_common=live.n_common, reason=reason)
+        if entry is None and live.n_keep < max(len(prompt) - 1, 0):
+            self.counters.cache_misses += 1
+        self.counters.tokens_reused += n_keep
+        return n_keep
+
+    def _cut(self, n_keep: int) -> None:
+        """Truncate the memory to ``n_keep`` tokens."""
+        if n_keep == 0:
+            self.backend.clear()
+        elif not self.backend.truncate(n_keep):
+            self.backend.clear()
+            self._drop_slot_state("cleared")
+            raise IncompatibleStateError(f"llama.cpp could not truncate the sequence to {n_keep} tokens")
+        self.slot._truncate(n_keep)
+
+    def process(self, tokens: Sequence[int] | np.ndarray, prompt_end: int | None = None) -> None:
+        """Evaluate ``tokens`` after the slot's end, pausing where checkpoints may be taken.
+
+        :param tokens: Tokens to evaluate.
+        :param prompt_end: Length of the prompt these tokens belong to; tokens past it are generated tokens and get
+            no checkpoints. Defaults to the end of ``tokens``.
+        """
+        tokens = np.asarray(tokens, dtype=np.int32)
+        slot = self.slot
+        start = slot.n_tokens
+        end = start + len(tokens)
+        if prompt_end is None:
+            prompt_end = end
+        last = slot.checkpoints[-1].n_tokens if slot.checkpoints else 0
+        bounds = [start, *pause_points(self.kind, self.rules, start, end, prompt_end, last), end]
+        for a, b in zip(bounds, bounds[1:]):
+            if a == b:
+                continue
+            chunk = tokens[a - start : b - start]
+            self.backend.decode(chunk)
+            rewritten_from = slot._append(chunk)
+            if rewritten_from is not None:
+                self._invalidate_after(rewritten_from)
+            self.counters.tokens_evaluated += len(chunk)
+            if a < prompt_end:
+                self.call_hook("on_prompt_processed", manager=self, slot=slot, start=a, end=b, prompt_end=prompt_end)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # introspection
+
+    def stats(self) -> dict[str, Any]:
+        """Counters plus memory figures.
+
+        ``resident_bytes`` counts each state buffer held by the slot or the cache once; ``referenced_bytes`` counts
+        it once per holder (what a copying cache would hold). Their ratio is 1.0 when nothing is duplicated.
+        """
+        holders: list[Iterable[np.ndarray]] = [b for c in self.slot.checkpoints for b in [c.buffers()]]
+        holders += [entry.buffers() for entry in self.cache.entries()]
+        unique: dict[int, int] = {}
+        referenced = 0
+        for buffers in holders:
+            for buffer in buffers:
+                unique[id(buffer)] = int(buffer.nbytes)
+                referenced += int(buffer.nbytes)
+        out: dict[str, Any] = asdict(self.counters)
+        out.update(
+            bytes_copied=self.counters.bytes_captured + self.counters.bytes_restored,
+            resident_bytes=sum(unique.values()),
+            referenced_bytes=referenced,
+            cache_entries=len(self.cache),
+            cache_bytes=self.cache.resident_bytes,
+            cache_tokens=self.cache.n_tokens,
+            slot_tokens=self.slot.n_tokens,
+            lineage_tokens=self.slot.n_lineage,
+            slot_checkpoints=len(self.slot.checkpoints),
+            memory_kind=self.kind.name,
+        )
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able view of the slot, its checkpoints and the cache entries."""
+
+        def checkpoint_view(c: Checkpoint) -> dict[str, Any]:
+            return {"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max, "partial": c.partial,
+                    "bytes": c.nbytes}
+
+        return {
+            "fingerprint": self.fingerprint,
+            "memory_kind": self.kind.name,
+            "slots": [{"id": self.slot.id, "n_tokens": self.slot.n_tokens,
+                       "checkpoints": [checkpoint_view(c) for c in self.slot.checkpoints]}],
+            "cache": [{"namespace": e.namespace, "n_tokens": e.n_tokens, "bytes": e.nbytes, "hits": e.hits,
+                       "checkpoints": len(e.checkpoints)} for e in self.cache.entries()],
+        }
+
+    def close(self) -> None:
+        """Drop the slot's checkpoints and tell the plugins the manager is going away."""
+        self._drop_slot_state("cleared")
+        self._full_capture = None
+        self.call_hook("on_detach", manager=self)

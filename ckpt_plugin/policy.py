@@ -1,0 +1,249 @@
+"""When to take, erase and restore checkpoints: pure functions over token arrays and checkpoint metadata.
+
+Nothing here touches llama.cpp. The rules follow llama.cpp's server (``tools/server``) and improve on it where noted:
+
+- Plain attention memory can be truncated anywhere: no checkpoint is needed for prefix reuse.
+- A sliding-window (SWA) memory can be truncated to ``p`` only while it still holds the window before ``p``:
+  ``pos_min <= max(0, p - n_swa)``. A checkpoint serves ``p`` under the same condition on its own ``pos_min``; unlike
+  llama.cpp, which only restores checkpoints ending before ``p``, we also restore one ending after ``p`` and then
+  truncate it, because attention cells are per position and the window before ``p`` is exact in it. That removes the
+  re-evaluation between the checkpoint and the divergence point.
+- A recurrent state exists only at its end: a checkpoint serves a prefix only if taken exactly at its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryKind:
+    """What kind of memory a context has, as far as truncation is concerned.
+
+    :ivar n_swa: The model's sliding-window size, 0 if no layer uses one.
+    :ivar swa_full: The window cache is full-size (llama.cpp's ``swa_full``): it keeps old positions in practice,
+        so no checkpoints are taken, but truncation is still checked against the memory's ``pos_min``.
+    :ivar recurrent: Some layers keep a recurrent state (Mamba, RWKV, hybrid models).
+    :ivar attention: Some layers keep an attention KV cache (false for pure recurrent models).
+    """
+
+    n_swa: int = 0
+    swa_full: bool = False
+    recurrent: bool = False
+    attention: bool = True
+
+    @property
+    def swa(self) -> bool:
+        """True if a sliding window can lose positions that a truncation would need."""
+        return self.n_swa > 0
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        """True if prefix reuse after a divergence needs checkpoints."""
+        return (self.swa and not self.swa_full) or self.recurrent
+
+    @property
+    def partial_is_complete(self) -> bool:
+        """True if a partial checkpoint holds the whole state (pure recurrent models)."""
+        return self.recurrent and not self.attention
+
+    @property
+    def name(self) -> str:
+        """A short name: ``plain``, ``swa``, ``recurrent`` or ``hybrid``."""
+        if self.recurrent:
+            return "hybrid" if self.attention else "recurrent"
+        return "swa" if self.needs_checkpoints else "plain"
+
+    def restored_pos_min(self, pos_min: int, pos_max: int) -> int:
+        """The ``pos_min`` a captured state has once restored.
+
+        llama.cpp serializes only the cells inside the window, so a restored sliding-window memory starts at
+        ``pos_max - n_swa + 1`` even where the live memory still held older cells.
+        """
+        if self.swa and pos_max >= 0:
+            return max(pos_min, pos_max - self.n_swa + 1)
+        return pos_min
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRules:
+    """The knobs of checkpoint placement.
+
+    :ivar max_checkpoints: Checkpoints kept per slot (llama.cpp's ``n_ctx_checkpoints``).
+    :ivar min_step: Minimum spacing in tokens between two checkpoints taken inside a prompt.
+    """
+
+    max_checkpoints: int = 32
+    min_step: int = 256
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D integer arrays (vectorized)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = a[:n] != b[:n]
+    first = int(differ.argmax())
+    return n if not differ[first] else first
+
+
+def swa_threshold(kind: MemoryKind, n_keep: int) -> int:
+    """The largest ``pos_min`` a sliding-window memory may have to be truncated to ``n_keep`` tokens."""
+    return max(0, n_keep - kind.n_swa)
+
+
+def can_truncate(kind: MemoryKind, n_memory: int, pos_min: int, n_keep: int) -> bool:
+    """Whether a memory holding ``n_memory`` tokens can be cut back to ``n_keep`` without a checkpoint.
+
+    :param kind: The memory kind.
+    :param n_memory: Tokens the memory holds.
+    :param pos_min: Smallest position it holds (its sliding window's start).
+    :param n_keep: Tokens to keep.
+    """
+    if n_keep > n_memory:
+        return False
+    if n_keep == n_memory or n_keep == 0:
+        return True
+    if kind.recurrent:
+        return False
+    if kind.swa:
+        return pos_min <= swa_threshold(kind, n_keep)
+    return True
+
+
+def checkpoint_serves(kind: MemoryKind, checkpoint: Checkpoint, n_common: int) -> int | None:
+    """How many tokens ``checkpoint`` can restore for a prompt sharing ``n_common`` tokens with its lineage.
+
+    The checkpoint's tokens are a prefix of the lineage, so it is consistent with the prompt up to
+    ``min(checkpoint.n_tokens, n_common)``.
+
+    :return: Tokens in memory after restoring it (and truncating), or ``None`` if it cannot serve the prompt.
+    """
+    if not checkpoint.partial:
+        return None
+    if kind.recurrent:
+        return checkpoint.n_tokens if checkpoint.n_tokens <= n_common else None
+    if kind.swa:
+        n_keep = min(checkpoint.n_tokens, n_common)
+        return n_keep if checkpoint.pos_min <= swa_threshold(kind, n_keep) else None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """How a base (the live memory or a cache entry) can serve a prompt.
+
+    :ivar n_keep: Prompt tokens served without evaluation.
+    :ivar checkpoint: The partial checkpoint to restore on top of the base, or ``None``.
+    :ivar n_common: Tokens the base shares with the prompt (what an ideal memory would serve).
+    """
+
+    n_keep: int
+    checkpoint: Checkpoint | None
+    n_common: int
+
+
+def best_reuse(
+    kind: MemoryKind,
+    lineage: np.ndarray,
+    n_memory: int,
+    pos_min: int,
+    checkpoints: Sequence[Checkpoint],
+    prompt: np.ndarray,
+    limit: int,
+) -> Reuse:
+    """The longest prefix of ``prompt`` a base can serve, directly or through one of its checkpoints.
+
+    :param kind: The memory kind.
+    :param lineage: The tokens the base's checkpoints were taken on; the memory holds ``lineage[:n_memory]``.
+    :param n_memory: Tokens the memory holds.
+    :param pos_min: The memory's smallest held position.
+    :param checkpoints: Checkpoints of the lineage, oldest first.
+    :param prompt: The prompt.
+    :param limit: The most tokens that may be kept (``len(prompt) - 1``: one token is always evaluated so that
+        fresh logits exist).
+    """
+    n_common = min(common_prefix(lineage, prompt), limit)
+    n_direct = min(n_common, n_memory)
+    best = Reuse(0, None, n_common)
+    if can_truncate(kind, n_memory, pos_min, n_direct):
+        best = Reuse(n_direct, None, n_common)
+        if n_direct == n_common:
+            return best
+    for checkpoint in reversed(checkpoints):
+        n_keep = checkpoint_serves(kind, checkpoint, n_common)
+        if n_keep is None or (kind.attention and n_keep > n_memory):
+            # Attention layers are not in a partial checkpoint: the memory must still hold them.
+            continue
+        if n_keep > best.n_keep:
+            best = Reuse(n_keep, checkpoint, n_common)
+    return best
+
+
+def want_checkpoint(
+    kind: MemoryKind,
+    rules: CheckpointRules,
+    checkpoints: Sequence[Checkpoint],
+    position: int,
+    prompt_end: int,
+    pos_min: int,
+) -> bool:
+    """Whether to take a checkpoint with ``position`` prompt tokens in memory.
+
+    Taken only on memories that need checkpoints, never on an empty memory (``pos_min < 0``) nor at or past the
+    prompt's end. Always one token before the prompt's end, so that a regeneration or an edit of the reply restores
+    with a single token to evaluate (llama.cpp takes them 4 and ``4 + n_ubatch`` tokens before the end); elsewhere
+    when at least ``min_step`` tokens past the newest checkpoint.
+    """
+    if not kind.needs_checkpoints or pos_min < 0 or position <= 0 or position >= prompt_end:
+        return False
+    if checkpoints and checkpoints[-1].n_tokens >= position:
+        return False
+    if position == prompt_end - 1:
+        return True
+    last = checkpoints[-1].n_tokens if checkpoints else 0
+    return position - last >= rules.min_step
+
+
+def pause_points(
+    kind: MemoryKind, rules: CheckpointRules, start: int, end: int, prompt_end: int, last_checkpoint: int
+) -> list[int]:
+    """Positions inside ``(start, end)`` where prompt evaluation pauses so that a checkpoint may be taken.
+
+    :param last_checkpoint: ``n_tokens`` of the slot's newest checkpoint (0 if none).
+    """
+    if not kind.needs_checkpoints or end - start < 2:
+        return []
+    points: set[int] = set()
+    step = max(1, rules.min_step)
+    next_point = max(last_checkpoint, 0) + step
+    while next_point < end:
+        if next_point > start:
+            points.add(next_point)
+        next_point += step
+    if start < prompt_end - 1 < end:
+        points.add(prompt_end - 1)
+    return sorted(points)
+
+
+def checkpoints_to_erase(checkpoints: Sequence[Checkpoint], limit: int) -> list[Checkpoint]:
+    """Which checkpoints to drop so that at most ``limit`` remain.
+
+    The newest is always kept; among the others the one closest to its predecessor goes first, so that the kept
+    positions stay spread over the prompt (llama.cpp drops the oldest, losing the deep restore points).
+    """
+    kept = list(checkpoints)
+    erased: list[Checkpoint] = []
+    while len(kept) > max(limit, 0):
+        if len(kept) == 1:
+            erased.append(kept.pop())
+            break
+        gaps = [kept[i].n_tokens - (kept[i - 1].n_tokens if i else 0) for i in range(len(kept) - 1)]
+        victim = kept.pop(int(np.argmin(gaps)))
+        erased.append(victim)
+    return erased
