@@ -26,8 +26,9 @@ class MemoryKind:
     """What kind of memory a context has, as far as truncation is concerned.
 
     :ivar n_swa: The model's sliding-window size, 0 if no layer uses one.
-    :ivar swa_full: The window cache is full-size (llama.cpp's ``swa_full``): it keeps old positions in practice,
-        so no checkpoints are taken, but truncation is still checked against the memory's ``pos_min``.
+    :ivar swa_full: The window cache is full-size (llama.cpp's ``swa_full``): the live memory keeps old positions,
+        but a restored state still holds only the window, so checkpoints are taken all the same (they are small:
+        the window's cells).
     :ivar recurrent: Some layers keep a recurrent state (Mamba, RWKV, hybrid models).
     :ivar attention: Some layers keep an attention KV cache (false for pure recurrent models).
     """
@@ -45,7 +46,7 @@ class MemoryKind:
     @property
     def needs_checkpoints(self) -> bool:
         """True if prefix reuse after a divergence needs checkpoints."""
-        return (self.swa and not self.swa_full) or self.recurrent
+        return self.swa or self.recurrent
 
     @property
     def partial_is_complete(self) -> bool:

@@ -1,0 +1,200 @@
+"""Hook-level testing kit: a pytest plugin with fixtures, a pure-Python fake backend and reference helpers.
+
+Registered as a ``pytest11`` entry point, so any project that installs ckpt_plugin gets the fixtures:
+
+- ``tiny_model``: ``tiny_model("gemma3") -> Path`` builds (once per session) a tiny random-weight GGUF model of a
+  kind (``llama``, ``gemma3`` with a 32-token window, ``mamba``, ``hybrid``);
+- ``fake_manager``: ``fake_manager(kind="swa", **settings) -> CheckpointManager`` over a :class:`FakeBackend`, for
+  testing plugins without a model;
+- ``recording_plugin``: a :class:`RecordingPlugin` that records every hook call.
+
+:class:`FakeBackend` simulates the truncation rules of each memory kind on token lists and records a violation
+(``corrupted``) instead of silently computing garbage the way a real sliding window would, so policy bugs show.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+from . import hooks
+from .hooks import hookimpl
+from .manager import CheckpointManager
+from .policy import MemoryKind
+
+FAKE_KINDS: dict[str, MemoryKind] = {
+    "plain": MemoryKind(),
+    "swa": MemoryKind(n_swa=8),
+    "recurrent": MemoryKind(recurrent=True, attention=False),
+    "hybrid": MemoryKind(recurrent=True, attention=True),
+}
+
+
+class FakeBackend:
+    """A model context simulated on token lists, following llama.cpp's memory rules.
+
+    The state bytes are the token ids (``int32``) plus a header; a sliding-window memory keeps ``window_cells``
+    positions, so truncating below its window sets :attr:`corrupted` (a real context would silently lose tokens).
+
+    :param kind: The memory kind to simulate.
+    :param window_cells: Cells of the sliding window (``>= n_swa``).
+    """
+
+    fingerprint = "fake-model"
+
+    def __init__(self, kind: MemoryKind, n_ctx: int = 4096, window_cells: int | None = None) -> None:
+        self.kind = kind
+        self.n_ctx = n_ctx
+        self.window_cells = window_cells or 2 * max(kind.n_swa, 1)
+        self.memory: list[int] = []
+        self.window_start = 0
+        self.corrupted = False
+        self.decoded = 0
+
+    def pos_min(self) -> int:
+        if not self.memory:
+            return -1
+        if self.kind.recurrent and not self.kind.attention:
+            return len(self.memory) - 1
+        return self.window_start if self.kind.swa else 0
+
+    def pos_max(self) -> int:
+        return len(self.memory) - 1
+
+    def _serialize(self, partial: bool) -> np.ndarray:
+        header = [len(self.memory), self.window_start, int(partial)]
+        return np.asarray(header + self.memory, dtype=np.int32).view(np.uint8)
+
+    def state_size(self, partial: bool) -> int:
+        return int(self._serialize(partial).nbytes)
+
+    def read_state(self, buffer: np.ndarray, partial: bool) -> int:
+        data = self._serialize(partial)
+        n = min(len(buffer), len(data))
+        buffer[:n] = data[:n]
+        return n
+
+    def write_state(self, buffer: np.ndarray, partial: bool) -> int:
+        values = np.frombuffer(buffer.tobytes(), dtype=np.int32)
+        n, window_start, _ = (int(v) for v in values[:3])
+        tokens = values[3 : 3 + n].tolist()
+        if partial and self.kind.attention:
+            # The attention part stays; only the window / recurrent part comes from the buffer.
+            if self.memory[: min(n, len(self.memory))] != tokens[: min(n, len(self.memory))]:
+                self.corrupted = True
+        self.memory = tokens
+        self.window_start = max(window_start, n - self.kind.n_swa) if self.kind.swa else 0
+        return int(buffer.nbytes)
+
+    def truncate(self, n_keep: int) -> bool:
+        if n_keep >= len(self.memory):
+            return True
+        if self.kind.recurrent:
+            return False
+        if self.kind.swa and self.window_start > max(0, n_keep - self.kind.n_swa):
+            self.corrupted = True
+        del self.memory[n_keep:]
+        return True
+
+    def clear(self) -> None:
+        self.memory = []
+        self.window_start = 0
+
+    def decode(self, tokens: np.ndarray) -> None:
+        self.memory.extend(int(t) for t in tokens)
+        self.decoded += len(tokens)
+        if self.kind.swa:
+            self.window_start = max(self.window_start, len(self.memory) - self.window_cells)
+
+
+@dataclass
+class RecordingPlugin:
+    """A plugin that records ``(hook name, kwargs)`` for every hook it implements (all of them)."""
+
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+    def _record(self, name: str, **kwargs: Any) -> None:
+        self.calls.append((name, kwargs))
+
+
+def _recorder(name: str) -> Callable[..., None]:
+    spec = getattr(hooks, name)
+    params = list(spec.__code__.co_varnames[: spec.__code__.co_argcount])
+    namespace: dict[str, Any] = {}
+    # pluggy matches implementations by argument names, so each recorder takes the spec's exact arguments.
+    source = (
+        f"def {name}(self, {', '.join(params)}):\n"
+        f"    self._record({name!r}, {', '.join(f'{p}={p}' for p in params)})\n"
+    )
+    exec(source, namespace)  # noqa: S102 - generated from our own hook specs
+    return hookimpl(namespace[name])
+
+
+HOOK_NAMES = [
+    name for name in dir(hooks)
+    if name.startswith(("on_", "checkpoint_wanted", "select_cache_victims")) and callable(getattr(hooks, name))
+]
+for _name in HOOK_NAMES:
+    if _name in ("checkpoint_wanted", "select_cache_victims", "on_cache_alloc"):
+        continue  # firstresult hooks: a recorder returning None would be harmless, but keep decisions untouched
+    setattr(RecordingPlugin, _name, _recorder(_name))
+
+
+def fake_manager(kind: str = "swa", *, n_ctx: int = 4096, window_cells: int | None = None,
+                 **settings: Any) -> CheckpointManager:
+    """A manager over a :class:`FakeBackend` of ``kind`` (``plain``, ``swa``, ``recurrent``, ``hybrid``)."""
+    settings.setdefault("load_entrypoints", False)
+    return CheckpointManager(FakeBackend(FAKE_KINDS[kind], n_ctx, window_cells), **settings)
+
+
+def run_prompt(manager: CheckpointManager, prompt: list[int] | np.ndarray, n_generate: int = 0) -> int:
+    """Serve ``prompt`` the way a host does: prepare, process the rest, then ``n_generate`` dummy tokens.
+
+    :return: Tokens evaluated for this prompt.
+    """
+    before = manager.counters.tokens_evaluated
+    prompt = np.asarray(prompt, dtype=np.int32)
+    n_keep = manager.prepare(prompt)
+    manager.process(prompt[n_keep:], len(prompt))
+    for i in range(n_generate):
+        manager.process(np.asarray([7 + i], dtype=np.int32), len(prompt))
+    return manager.counters.tokens_evaluated - before
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# pytest fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], pathlib.Path]:
+    """``tiny_model(kind) -> Path``: a tiny GGUF model of ``kind``, built once per session."""
+    from .tiny_models import build_tiny_model
+
+    built: dict[str, pathlib.Path] = {}
+    root = tmp_path_factory.mktemp("tiny-models")
+
+    def get(kind: str) -> pathlib.Path:
+        if kind not in built:
+            built[kind] = build_tiny_model(kind, root / f"{kind}.gguf")
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(name="fake_manager")
+def fake_manager_fixture() -> Callable[..., CheckpointManager]:
+    """``fake_manager(kind="swa", **settings)``: a manager over a simulated context."""
+    return fake_manager
+
+
+@pytest.fixture
+def recording_plugin() -> Iterator[RecordingPlugin]:
+    """A fresh :class:`RecordingPlugin`."""
+    yield RecordingPlugin()
