@@ -544,7 +544,8 @@ class CheckpointManager:
         end = start + len(tokens)
         if prompt_end is None:
             prompt_end = end
-        last = slot.checkpoints[-1].n_tokens if slot.checkpoints else 0
+        # Checkpoints past ``start`` belong to a lineage these tokens may rewrite: space from the valid ones.
+        last = max((c.n_tokens for c in slot.checkpoints if c.n_tokens <= start), default=0)
         bounds = [start, *pause_points(self.kind, self.rules, start, end, prompt_end, last), end]
         for a, b in zip(bounds, bounds[1:]):
             if a == b:
