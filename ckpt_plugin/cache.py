@@ -229,6 +229,10 @@ class PromptCache:
             return []
         return index.lookup(prompt, max_candidates)
 
+    def contains(self, entry: CacheEntry) -> bool:
+        """Whether ``entry`` (this very object) is in the cache."""
+        return id(entry) in self._lru
+
     def touch(self, entry: CacheEntry) -> None:
         """Mark ``entry`` as just used."""
         if id(entry) in self._lru:

@@ -220,6 +220,7 @@ class CheckpointManager:
         self.slot = Slot(0, backend.n_ctx)
         self.counters = Counters()
         self._full_capture: tuple[int, Checkpoint] | None = None
+        self._loaded_from_cache = -1
         self.plugins = pluggy.PluginManager(PROJECT_NAME)
         self.plugins.add_hookspecs(hooks)
         self.plugins.register(DefaultPlugin(), name=DEFAULT_PLUGIN_NAME)
@@ -364,6 +365,11 @@ class CheckpointManager:
         self._restore(entry.state)
         self._adopt(entry.tokens, entry.checkpoints, len(entry.tokens))
         self._full_capture = (self.slot.version, entry.state)
+        if self.cache.contains(entry):
+            # A host that consults its cache itself (``Llama.load_state(cache[key])``) hits through here.
+            self.counters.cache_hits += 1
+            self.cache.touch(entry)
+            self._loaded_from_cache = self.slot.version
         self.counters.restore_seconds += time.perf_counter() - started
         self.call_hook("on_slot_restore", manager=self, slot=self.slot, checkpoint=None, entry=entry,
                        n_tokens=self.slot.n_tokens)
@@ -482,6 +488,7 @@ class CheckpointManager:
         slot = self.slot
         self.reconcile()
         self.counters.prompts += 1
+        just_loaded = self._loaded_from_cache == slot.version
         entry, chosen, live = self.plan(prompt)
         n_keep = chosen.n_keep
         kept_live = n_keep if entry is None else 0
@@ -516,7 +523,7 @@ class CheckpointManager:
             )
             log.info("re-processing %d tokens the memory shared with the prompt: %s", live.n_common - n_keep, reason)
             self.call_hook("on_full_reprocess", manager=self, slot=slot, n_common=live.n_common, reason=reason)
-        if entry is None and live.n_keep < max(len(prompt) - 1, 0):
+        if entry is None and live.n_keep < max(len(prompt) - 1, 0) and not just_loaded:
             self.counters.cache_misses += 1
         self.counters.tokens_reused += n_keep
         return n_keep

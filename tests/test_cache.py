@@ -1,0 +1,141 @@
+"""The prompt cache without a model: radix index against brute force, budgets, shared-byte accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpt_plugin.cache import CacheEntry, PromptCache, RadixIndex
+from ckpt_plugin.checkpoint import Checkpoint, freeze
+from ckpt_plugin.policy import common_prefix
+
+
+def buffer(n: int) -> np.ndarray:
+    return freeze(np.zeros(n, dtype=np.uint8))
+
+
+def checkpoint(n_tokens: int, n_bytes: int = 100, partial: bool = True) -> Checkpoint:
+    return Checkpoint(n_tokens, 0, n_tokens - 1, partial, buffer(n_bytes), "fp")
+
+
+def entry(tokens: list[int], n_bytes: int = 1000, checkpoints: tuple[Checkpoint, ...] = (),
+          namespace: str = "default") -> CacheEntry:
+    array = np.asarray(tokens, dtype=np.int32)
+    return CacheEntry(array, checkpoint(len(tokens), n_bytes, partial=False), checkpoints, namespace)
+
+
+token_lists = st.lists(st.integers(0, 4), min_size=1, max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(token_lists, min_size=1, max_size=25, unique_by=tuple), token_lists,
+       st.lists(st.integers(0, 24), max_size=10))
+def test_radix_lookup_finds_the_longest_common_prefix(keys: list[list[int]], prompt: list[int],
+                                                      removals: list[int]) -> None:
+    index = RadixIndex()
+    entries = [entry(k) for k in keys]
+    for e in entries:
+        index.insert(e)
+    for r in removals:
+        if r < len(entries):
+            index.remove(entries[r])
+    alive = [e for e in entries if e._node is not None]
+    assert index.size == len(alive)
+    query = np.asarray(prompt, dtype=np.int32)
+    found = index.lookup(query, max_candidates=len(entries))
+    best = max((common_prefix(e.tokens, query) for e in alive), default=None)
+    if best is None or best == 0 and not any(len(e.tokens) == 0 for e in alive):
+        assert all(n == 0 for _, n in found)
+        return
+    assert found, "a shared prefix exists but lookup found nothing"
+    assert max(n for _, n in found) == best
+    for e, n in found:
+        assert common_prefix(e.tokens, query) == n
+
+
+def test_lookup_cost_does_not_scan_entries() -> None:
+    rng = np.random.default_rng(0)
+    index = RadixIndex()
+    shared = rng.integers(0, 1000, 1500).astype(np.int32)
+    for _ in range(2000):
+        tail = rng.integers(0, 1000, 500).astype(np.int32)
+        index.insert(entry(np.concatenate((shared, tail)).tolist()))
+    calls = 0
+    real = common_prefix
+
+    def counting(a: np.ndarray, b: np.ndarray) -> int:
+        nonlocal calls
+        calls += 1
+        return real(a, b)
+
+    import ckpt_plugin.cache as cache_module
+
+    cache_module.common_prefix = counting
+    try:
+        index.lookup(np.concatenate((shared, rng.integers(0, 1000, 500).astype(np.int32))))
+    finally:
+        cache_module.common_prefix = real
+    assert calls <= 3, f"lookup compared {calls} edges"
+
+
+def test_budget_evicts_least_recently_used_and_counts_shared_buffers_once() -> None:
+    cache = PromptCache(max_bytes=3000)
+    shared = checkpoint(5, 500)
+    a = entry([1, 2, 3], 1000, (shared,))
+    b = entry([1, 2, 4], 1000, (shared,))
+    assert cache.insert(a)[0] and cache.insert(b)[0]
+    assert cache.resident_bytes == 2500  # the shared checkpoint counted once
+    cache.touch(a)
+    c = entry([7, 8], 1000)
+    admitted, removed = cache.insert(c)
+    assert admitted and [r for r, _ in removed] == [b]
+    assert cache.resident_bytes == 2500
+    assert {id(e) for e in cache.entries()} == {id(a), id(c)}
+
+
+def test_entry_larger_than_budget_is_refused_and_nothing_is_evicted() -> None:
+    cache = PromptCache(max_bytes=1500)
+    assert cache.insert(entry([1], 1000))[0]
+    admitted, removed = cache.insert(entry([2], 2000))
+    assert not admitted and removed == [] and len(cache) == 1
+
+
+def test_token_budget() -> None:
+    cache = PromptCache(max_tokens=5)
+    cache.insert(entry([1, 2, 3]))
+    cache.insert(entry([4, 5, 6]))
+    assert len(cache) == 1 and cache.n_tokens == 3
+
+
+def test_veto_keeps_entry_out() -> None:
+    cache = PromptCache()
+    admitted, _ = cache.insert(entry([1, 2]), admit=lambda n: False)
+    assert not admitted and len(cache) == 0 and cache.resident_bytes == 0
+
+
+def test_longer_entry_of_same_lineage_replaces_its_prefix() -> None:
+    cache = PromptCache()
+    c1 = checkpoint(2)
+    short = entry([1, 2, 3], checkpoints=(c1,))
+    long = entry([1, 2, 3, 4, 5], checkpoints=(c1, checkpoint(4)))
+    other = entry([1, 2], checkpoints=(checkpoint(1),))
+    for e in (other, short, long):
+        cache.insert(e)
+    assert {id(e) for e in cache.entries()} == {id(other), id(long)}
+
+
+def test_namespaces_are_partitions() -> None:
+    cache = PromptCache()
+    cache.insert(entry([1, 2, 3], namespace="tenant-a"))
+    prompt = np.asarray([1, 2, 3, 4], dtype=np.int32)
+    assert cache.lookup("tenant-b", "fp", prompt) == []
+    assert cache.lookup("tenant-a", "fp", prompt)[0][1] == 3
+
+
+def test_invalid_budgets_are_refused() -> None:
+    with pytest.raises(ValueError):
+        PromptCache(max_bytes=-1)
+    with pytest.raises(ValueError):
+        PromptCache(max_tokens=-5)
