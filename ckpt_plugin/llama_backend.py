@@ -18,7 +18,7 @@ import ctypes
 import hashlib
 import inspect
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -291,6 +291,25 @@ class _Attachment:
         if capacity is not None:
             self.manager.resize_cache(int(capacity))
         self.llama.cache = HostPromptCache(self.manager, self.llama)
+
+
+def open_llama(model_path: str, **kwargs: Any) -> Llama:
+    """Create a ``llama_cpp.Llama`` (``verbose=False`` unless given), for hosts built on this package."""
+    kwargs.setdefault("verbose", False)
+    return Llama(model_path=model_path, **kwargs)
+
+
+def count_evaluated_tokens(llama: Llama) -> Callable[[], int]:
+    """Count the tokens an unattached ``llama`` evaluates (wraps its ``eval``); return a reader of the count."""
+    evaluated = [0]
+    inner = llama.eval
+
+    def counting_eval(tokens: Sequence[int]) -> None:
+        evaluated[0] += len(tokens)
+        inner(tokens)
+
+    llama.eval = counting_eval
+    return lambda: evaluated[0]
 
 
 def attach(
