@@ -179,7 +179,7 @@ class HostPromptCache(BaseLlamaCache):
 
     def _best(self, key: Sequence[int]) -> CacheEntry | None:
         prompt = np.asarray(key, dtype=np.int32)
-        candidates = self.manager.cache.lookup(self.manager.settings.namespace, self.manager.fingerprint, prompt)
+        candidates = self.manager.cache.lookup(self.manager.current_namespace(), self.manager.fingerprint, prompt)
         best = max(candidates, key=lambda pair: pair[1], default=None)
         return best[0] if best is not None and best[1] > 0 else None
 

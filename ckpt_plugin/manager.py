@@ -21,6 +21,7 @@ from .checkpoint import Checkpoint, ExtraState, allocate_state_buffer, freeze
 from .config import CheckpointSettings
 from .errors import IncompatibleStateError, PluginError
 from .hooks import PROJECT_NAME, hookimpl
+from .request import current_request
 from .policy import (
     CheckpointRules,
     MemoryKind,
@@ -89,6 +90,7 @@ class Slot:
         self.n_lineage = 0
         self.checkpoints: list[Checkpoint] = []
         self.version = 0
+        self.namespace = "default"
 
     @staticmethod
     def _readonly(view: np.ndarray) -> np.ndarray:
@@ -218,6 +220,8 @@ class CheckpointManager:
             self.settings.cache_max_bytes, self.settings.cache_max_tokens
         )
         self.slot = Slot(0, backend.n_ctx)
+        self.slot.namespace = self.settings.namespace
+        self.last_restore_seconds = 0.0
         self.counters = Counters()
         self._full_capture: tuple[int, Checkpoint] | None = None
         self._loaded_from_cache = -1
@@ -353,7 +357,7 @@ class CheckpointManager:
         tokens = slot.tokens.copy()
         tokens.flags.writeable = False
         checkpoints = tuple(c for c in slot.checkpoints if c.n_tokens <= slot.n_tokens)
-        return CacheEntry(tokens, state, checkpoints, self.settings.namespace)
+        return CacheEntry(tokens, state, checkpoints, slot.namespace)
 
     def load(self, entry: CacheEntry) -> int:
         """Restore a saved entry into the slot (the entry stays valid); return the tokens now in memory."""
@@ -370,7 +374,8 @@ class CheckpointManager:
             self.counters.cache_hits += 1
             self.cache.touch(entry)
             self._loaded_from_cache = self.slot.version
-        self.counters.restore_seconds += time.perf_counter() - started
+        self.last_restore_seconds = time.perf_counter() - started
+        self.counters.restore_seconds += self.last_restore_seconds
         self.call_hook("on_slot_restore", manager=self, slot=self.slot, checkpoint=None, entry=entry,
                        n_tokens=self.slot.n_tokens)
         return self.slot.n_tokens
@@ -459,6 +464,23 @@ class CheckpointManager:
         self.settings.cache_max_bytes = max_bytes
         self._note_evictions(self.cache.resize(max_bytes), "budget")
 
+    def current_namespace(self) -> str:
+        """The namespace of the request being served (the manager's own outside a request scope)."""
+        scope = current_request.get()
+        return scope.namespace if scope is not None and scope.namespace else self.settings.namespace
+
+    def _enter_namespace(self, namespace: str) -> None:
+        """Never let one tenant reuse another's live state: park it in its owner's partition first."""
+        slot = self.slot
+        if slot.namespace == namespace:
+            return
+        if slot.n_tokens >= self.settings.cache_min_tokens:
+            self.save_to_cache()
+        self.backend.clear()
+        self._drop_slot_state("cleared")
+        self._full_capture = None
+        slot.namespace = namespace
+
     def plan(self, prompt: np.ndarray) -> tuple[CacheEntry | None, Reuse, Reuse]:
         """How ``prompt`` would be served: ``(cache entry or None, chosen reuse, reuse of the live memory)``."""
         slot = self.slot
@@ -468,7 +490,7 @@ class CheckpointManager:
         )
         chosen_entry, chosen = None, live
         if live.n_keep < limit:
-            for entry, _ in self.cache.lookup(self.settings.namespace, self.fingerprint, prompt):
+            for entry, _ in self.cache.lookup(slot.namespace, self.fingerprint, prompt):
                 reuse = best_reuse(
                     self.kind, entry.tokens, entry.n_tokens, entry.pos_min, entry.checkpoints, prompt, limit
                 )
@@ -487,6 +509,7 @@ class CheckpointManager:
         prompt = np.asarray(prompt, dtype=np.int32)
         slot = self.slot
         self.reconcile()
+        self._enter_namespace(self.current_namespace())
         self.counters.prompts += 1
         just_loaded = self._loaded_from_cache == slot.version
         entry, chosen, live = self.plan(prompt)
@@ -512,7 +535,8 @@ class CheckpointManager:
             self._cut(n_keep)
             if entry is not None:
                 self._adopt(entry.tokens, entry.checkpoints, n_keep)
-            self.counters.restore_seconds += time.perf_counter() - started
+            self.last_restore_seconds = time.perf_counter() - started
+            self.counters.restore_seconds += self.last_restore_seconds
             self.call_hook("on_slot_restore", manager=self, slot=slot, checkpoint=chosen.checkpoint, entry=entry,
                            n_tokens=n_keep)
         if entry is None and n_keep < live.n_common:
@@ -526,6 +550,9 @@ class CheckpointManager:
         if entry is None and live.n_keep < max(len(prompt) - 1, 0) and not just_loaded:
             self.counters.cache_misses += 1
         self.counters.tokens_reused += n_keep
+        scope = current_request.get()
+        if scope is not None:
+            scope.prompt_tokens, scope.cached_tokens = len(prompt), n_keep
         return n_keep
 
     def _cut(self, n_keep: int) -> None:

@@ -4,12 +4,18 @@ Random request sequences (new conversations, follow-up turns, edits and regenera
 between conversations) run on an attached ``Llama`` and on an unattached reference reset before every request. For
 each request the greedy tokens must be equal, and the tokens evaluated must stay within a small bound of the ideal
 (the prompt tokens after the longest prefix shared with any state the server held before).
+
+Reusing a prefix changes which tokens are decoded together, and llama.cpp's CPU kernels differ slightly by batch size
+(about 1e-3 in a logit on these models: a one-token decode converts the query to F16 for the F16 KV cache). Greedy
+answers may therefore part where the fresh context itself sees a near-tie: a difference is accepted only at a step
+whose top-2 logit gap in the fresh context is below ``NOISE``; everything before it must be equal.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,23 +25,36 @@ import ckpt_plugin
 from ckpt_plugin.policy import common_prefix
 
 N_GENERATE = 4
+NOISE = 0.02
 MIN_STEP = 16
 VOCAB = (3, 300)
 KINDS = ["llama", "gemma3", "gemma3-swa-full", "mamba", "hybrid"]
 
 
-def greedy(llama: Any, prompt: list[int], n: int = N_GENERATE) -> list[int]:
+def greedy(llama: Any, prompt: list[int], n: int = N_GENERATE, gaps: list[float] | None = None) -> list[int]:
+    """Greedy tokens; with ``gaps``, also the top-2 logit gap at each step."""
     out: list[int] = []
     for token in llama.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+        if gaps is not None:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llama.ctx, -1), shape=(llama.n_vocab(),))
+            top2 = np.partition(logits, -2)[-2:]
+            gaps.append(float(abs(top2[1] - top2[0])))
         out.append(int(token))
         if len(out) == n:
             break
     return out
 
 
-def fresh_greedy(reference: Any, prompt: list[int]) -> list[int]:
+def fresh_greedy(reference: Any, prompt: list[int], gaps: list[float]) -> list[int]:
     reference.reset()
-    return greedy(reference, prompt)
+    return greedy(reference, prompt, gaps=gaps)
+
+
+def assert_same_answer(got: list[int], want: list[int], gaps: list[float], what: str) -> None:
+    for step, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            assert gaps[step] < NOISE, f"{what}: token {step} is {g}, a fresh context gives {w} (gap {gaps[step]})"
+            return
 
 
 ops = st.lists(
@@ -90,8 +109,9 @@ def test_random_requests_match_fresh_context(make_llama: Any, kind: str, script:
         before = manager.counters.tokens_evaluated
         got = greedy(attached, prompt)
         evaluated = manager.counters.tokens_evaluated - before
-        want = fresh_greedy(reference, prompt)
-        assert got == want, f"{kind}: request {op} diverged from a fresh context"
+        gaps: list[float] = []
+        want = fresh_greedy(reference, prompt, gaps)
+        assert_same_answer(got, want, gaps, f"{kind}: request {op}")
         ideal = len(prompt) - ideal_keep + N_GENERATE - 1
         slack = 0 if kind == "llama" else MIN_STEP + N_GENERATE
         assert evaluated <= ideal + slack, f"{kind}: evaluated {evaluated} tokens, ideal {ideal} (+{slack})"
