@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from pydantic import Field, field_validator
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .cache import DEFAULT_MAX_BYTES
@@ -57,3 +59,23 @@ class CheckpointSettings(BaseSettings):
                 f"cache_max_bytes={value} is larger than this machine's physical memory ({total} bytes)"
             )
         return value
+
+
+class ServeSettings(CheckpointSettings):
+    """Checkpoint settings of a server: the manager's, plus what the middleware exposes and how tenants are told
+    apart (``checkpoints`` section of ``ckpt-serve``'s config file, ``--checkpoint-*`` flags, ``CKPT_*``)."""
+
+    admin: bool = Field(False, description="Serve GET/DELETE /checkpoints (protected by the host's API key).")
+    metrics: bool = Field(True, description="Serve GET /metrics (protected by the host's API key).")
+    namespaces: Literal["off", "api_key", "header"] = Field(
+        "off",
+        description="Cache partition of a request: 'off' (one shared namespace), 'api_key' (a hash of the bearer "
+        "key), 'header' (a hash of the header named by namespace_header, set by the operator's gateway).",
+    )
+    namespace_header: str | None = Field(None, description="Header carrying the tenant id when namespaces='header'.")
+
+    @model_validator(mode="after")
+    def _header_named(self) -> "ServeSettings":
+        if self.namespaces == "header" and not self.namespace_header:
+            raise ValueError("namespaces='header' needs namespace_header (the header your gateway sets)")
+        return self

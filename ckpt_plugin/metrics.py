@@ -1,0 +1,96 @@
+"""Prometheus metrics of checkpoint managers, through ``prometheus-client``.
+
+Counters and gauges are read from :meth:`CheckpointManager.stats` at scrape time (a custom collector, so nothing is
+counted twice); the restore latency histogram is fed by a plugin observing ``on_slot_restore``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from .hooks import hookimpl
+from .manager import CheckpointManager
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+COUNTERS = {
+    "tokens_evaluated": "Prompt and generated tokens evaluated by the model",
+    "tokens_reused": "Prompt tokens served from memory, a checkpoint or the cache",
+    "cache_hits": "Prompts served from a prompt-cache entry",
+    "cache_misses": "Prompts the live memory could not fully serve and the cache did not help",
+    "cache_saves": "Entries put into the prompt cache",
+    "cache_evictions": "Entries evicted for the budget",
+    "checkpoints_created": "Checkpoints taken",
+    "checkpoints_restored": "Checkpoints restored",
+    "checkpoints_erased": "Checkpoints dropped from slots",
+    "forced_reprocess": "Prompts whose shared prefix could not be reused",
+    "tokens_reprocessed": "Shared prompt tokens evaluated again",
+    "capture_failures": "State captures that failed (no checkpoint taken)",
+    "bytes_copied": "State bytes copied by llama.cpp get/set calls",
+}
+GAUGES = {
+    "resident_bytes": "Bytes of unique state buffers held by slots and the cache",
+    "referenced_bytes": "Bytes the same references would hold as copies",
+    "cache_entries": "Prompt-cache entries",
+    "cache_tokens": "Tokens held by prompt-cache entries",
+    "slot_checkpoints": "Checkpoints held by the slot",
+}
+
+
+class ManagerCollector:
+    """Collects the stats of the managers ``managers()`` returns, labelled by model."""
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+        self._managers = managers
+
+    def collect(self) -> Iterator[Metric]:
+        managers = dict(self._managers())
+        stats = {model: manager.stats() for model, manager in managers.items()}
+        for name, doc in COUNTERS.items():
+            family = CounterMetricFamily(f"ckpt_{name}", doc, labels=["model"])
+            for model, values in stats.items():
+                family.add_metric([model], float(values[name]))
+            yield family
+        for name, doc in GAUGES.items():
+            family = GaugeMetricFamily(f"ckpt_{name}", doc, labels=["model"])
+            for model, values in stats.items():
+                family.add_metric([model], float(values[name]))
+            yield family
+
+
+class RestoreLatency:
+    """A plugin recording restore latency into a histogram."""
+
+    def __init__(self, histogram: Histogram, model: str) -> None:
+        self._observe = histogram.labels(model=model).observe
+
+    @hookimpl
+    def on_slot_restore(self, manager: CheckpointManager, slot: object, checkpoint: object, entry: object,
+                        n_tokens: int) -> None:
+        self._observe(manager.last_restore_seconds)
+
+
+class Metrics:
+    """A registry for the managers of one server.
+
+    :param managers: Returns the current managers by model name.
+    """
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(ManagerCollector(managers))
+        self.restore_seconds = Histogram(
+            "ckpt_restore_seconds", "Time to restore a checkpoint or cache entry", ["model"],
+            registry=self.registry, buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+        )
+
+    def watch(self, model: str, manager: CheckpointManager) -> None:
+        """Record ``manager``'s restore latencies under ``model``."""
+        manager.plugins.register(RestoreLatency(self.restore_seconds, model), name="ckpt_plugin.metrics")
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

@@ -1,0 +1,277 @@
+"""Starlette ASGI middleware: admin API, Prometheus metrics, ``cached_tokens`` usage fields, tenant namespaces.
+
+Mount it on any Starlette or FastAPI app whose ``Llama`` objects are attached::
+
+    app.add_middleware(CheckpointMiddleware, managers={"my-model": manager}, settings=ServeSettings(admin=True))
+
+Routes it answers itself (everything else goes to the app):
+
+- ``GET /checkpoints``: slots, checkpoints (positions, sizes) and cache entries per model; admin only.
+- ``GET /checkpoints/stats``: ``manager.stats()`` per model; admin only.
+- ``DELETE /checkpoints``: drop every cache entry; admin only.
+- ``GET /metrics``: Prometheus text (unless ``metrics`` is off).
+
+Admin routes are off (404) unless ``admin`` is set; when the host has an API key, admin routes and metrics require
+``Authorization: Bearer <key>`` (401 otherwise).
+
+On ``POST .../completions`` responses the middleware adds ``usage.prompt_tokens_details.cached_tokens`` (as OpenAI
+and vLLM report it); for streamed responses requested with ``stream_options.include_usage`` it adds the final usage
+chunk before ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any, Callable, Mapping
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .config import ServeSettings
+from .manager import CheckpointManager
+from .metrics import CONTENT_TYPE, Metrics
+from .request import RequestScope, current_request
+
+Managers = Mapping[str, CheckpointManager]
+
+
+class CheckpointMiddleware:
+    """Pure ASGI middleware exposing checkpoint managers and isolating tenants (see the module docstring).
+
+    :param app: The wrapped ASGI app.
+    :param managers: The attached managers by model name, or a callable returning them (models can change).
+    :param settings: Admin, metrics and namespace settings.
+    :param api_key: The host's API key, if it has one.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        managers: Managers | Callable[[], Managers],
+        settings: ServeSettings | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        self.app = app
+        self.managers: Callable[[], Managers] = managers if callable(managers) else (lambda: managers)
+        self.settings = settings or ServeSettings()
+        self.api_key = api_key
+        self.metrics = Metrics(self.managers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        headers = Headers(scope=scope)
+        self._watch_managers()
+        if path == "/checkpoints" or path.startswith("/checkpoints/"):
+            response = self._admin(scope["method"], path, headers)
+            await response(scope, receive, send)
+            return
+        if path == "/metrics" and self.settings.metrics:
+            response = self._metrics(scope["method"], headers)
+            await response(scope, receive, send)
+            return
+        request_scope = RequestScope(namespace=self._namespace(headers))
+        token = current_request.set(request_scope)
+        try:
+            if scope["method"] == "POST" and path.endswith("/completions"):
+                await _UsageRewriter(self.app, request_scope)(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+        finally:
+            current_request.reset(token)
+
+    # -- tenants ----------------------------------------------------------------------------------------------------
+
+    def _namespace(self, headers: Headers) -> str | None:
+        mode = self.settings.namespaces
+        if mode == "off":
+            return None
+        if mode == "api_key":
+            value = _bearer(headers) or ""
+            prefix = "key"
+        else:
+            value = headers.get(self.settings.namespace_header or "", "")
+            prefix = "hdr"
+        if not value:
+            return f"{prefix}:anonymous"
+        # A digest: the raw credential never sits in the cache's keys, logs or the admin view.
+        return f"{prefix}:{hashlib.sha256(value.encode()).hexdigest()[:16]}"
+
+    # -- admin and metrics ------------------------------------------------------------------------------------------
+
+    def _authorized(self, headers: Headers) -> bool:
+        if self.api_key is None:
+            return True
+        given = _bearer(headers) or ""
+        return hmac.compare_digest(given.encode(), self.api_key.encode())
+
+    def _admin(self, method: str, path: str, headers: Headers) -> Response:
+        if not self.settings.admin:
+            return _error(404, "not_found", "checkpoint admin routes are disabled (checkpoints.admin)")
+        if not self._authorized(headers):
+            return _error(401, "unauthorized", "a valid API key is required")
+        managers = self.managers()
+        if path == "/checkpoints":
+            if method == "GET":
+                return JSONResponse({"models": {name: m.describe() for name, m in managers.items()}})
+            if method == "DELETE":
+                return JSONResponse({"cleared": sum(m.clear_cache() for m in _unique(managers))})
+            return _error(405, "method_not_allowed", f"{method} is not allowed on /checkpoints")
+        if path == "/checkpoints/stats":
+            if method == "GET":
+                return JSONResponse({"models": {name: m.stats() for name, m in managers.items()}})
+            return _error(405, "method_not_allowed", f"{method} is not allowed on /checkpoints/stats")
+        return _error(404, "not_found", f"no route {path}")
+
+    def _metrics(self, method: str, headers: Headers) -> Response:
+        if method != "GET":
+            return _error(405, "method_not_allowed", "use GET /metrics")
+        if not self._authorized(headers):
+            return _error(401, "unauthorized", "a valid API key is required")
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    def _watch_managers(self) -> None:
+        for name, manager in self.managers().items():
+            if manager.plugins.get_plugin("ckpt_plugin.metrics") is None:
+                self.metrics.watch(name, manager)
+
+
+class _UsageRewriter:
+    """Adds ``prompt_tokens_details.cached_tokens`` to one completion response."""
+
+    def __init__(self, app: ASGIApp, request_scope: RequestScope) -> None:
+        self.app = app
+        self.request_scope = request_scope
+        self.request_body = bytearray()
+        self.start: Message | None = None
+        self.body = bytearray()
+        self.streaming = False
+        self.pending = b""
+        self.completion_chunks = 0
+        self.last_chunk: dict[str, Any] = {}
+        self.usage_sent = False
+        self.passthrough = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def receive_and_keep() -> Message:
+            message = await receive()
+            if message["type"] == "http.request" and len(self.request_body) < 1 << 20:
+                self.request_body.extend(message.get("body", b""))
+            return message
+
+        async def rewrite(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                content_type = Headers(raw=message["headers"]).get("content-type", "")
+                self.streaming = content_type.startswith("text/event-stream")
+                if self.streaming or message["status"] != 200 or not content_type.startswith("application/json"):
+                    self.streaming = self.streaming and message["status"] == 200
+                    self.passthrough = not self.streaming
+                    await send(message)
+                    return
+                self.start = message
+                return
+            if message["type"] != "http.response.body" or self.passthrough:
+                await send(message)
+                return
+            if self.streaming:
+                await send({**message, "body": self._rewrite_events(message.get("body", b""),
+                                                                    more=message.get("more_body", False))})
+                return
+            self.body.extend(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = self._rewrite_json(bytes(self.body))
+            assert self.start is not None
+            headers = MutableHeaders(raw=list(self.start["headers"]))
+            headers["content-length"] = str(len(body))
+            await send({**self.start, "headers": headers.raw})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        await self.app(scope, receive_and_keep, rewrite)
+
+    def _details(self) -> dict[str, int]:
+        return {"cached_tokens": self.request_scope.cached_tokens}
+
+    def _rewrite_json(self, body: bytes) -> bytes:
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return body
+        usage = payload.get("usage") if isinstance(payload, dict) else None
+        if isinstance(usage, dict):
+            usage["prompt_tokens_details"] = self._details()
+            return json.dumps(payload).encode()
+        return body
+
+    def _wants_usage(self) -> bool:
+        try:
+            request = json.loads(bytes(self.request_body) or b"{}")
+        except ValueError:
+            return False
+        options = request.get("stream_options") if isinstance(request, dict) else None
+        return isinstance(options, dict) and bool(options.get("include_usage"))
+
+    def _rewrite_events(self, body: bytes, more: bool) -> bytes:
+        data = self.pending + body
+        separator = b"\r\n\r\n" if b"\r\n\r\n" in data else b"\n\n"
+        *events, self.pending = data.split(separator)
+        if not more and self.pending:
+            events.append(self.pending)
+            self.pending = b""
+        out = []
+        for event in events:
+            out.append(self._rewrite_event(event))
+        return b"".join(e + separator for e in out)
+
+    def _rewrite_event(self, event: bytes) -> bytes:
+        lines = event.split(b"\n")
+        data_lines = [line for line in lines if line.strip().startswith(b"data:")]
+        if not data_lines:
+            return event
+        data = b"".join(line.strip()[5:].strip() for line in data_lines)
+        if data == b"[DONE]":
+            if self._wants_usage() and not self.usage_sent:
+                chunk = {k: self.last_chunk.get(k) for k in ("id", "object", "created", "model")}
+                prompt = self.request_scope.prompt_tokens
+                chunk.update(choices=[], usage={
+                    "prompt_tokens": prompt, "completion_tokens": self.completion_chunks,
+                    "total_tokens": prompt + self.completion_chunks, "prompt_tokens_details": self._details(),
+                })
+                self.usage_sent = True
+                return b"data: " + json.dumps(chunk).encode() + b"\r\n\r\n" + event
+            return event
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return event
+        if not isinstance(chunk, dict):
+            return event
+        self.last_chunk = chunk
+        if chunk.get("choices"):
+            self.completion_chunks += 1
+        if isinstance(chunk.get("usage"), dict):
+            chunk["usage"]["prompt_tokens_details"] = self._details()
+            self.usage_sent = True
+            return b"data: " + json.dumps(chunk).encode()
+        return event
+
+
+def _bearer(headers: Headers) -> str | None:
+    value = headers.get("authorization", "")
+    scheme, _, credentials = value.partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" and credentials.strip() else None
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+def _unique(managers: Managers) -> list[CheckpointManager]:
+    return list({id(m): m for m in managers.values()}.values())
