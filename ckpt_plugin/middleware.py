@@ -254,13 +254,20 @@ class _UsageRewriter:
         if not isinstance(chunk, dict):
             return event
         self.last_chunk = chunk
-        if chunk.get("choices"):
+        if any(_has_text(choice) for choice in chunk.get("choices") or []):
             self.completion_chunks += 1
         if isinstance(chunk.get("usage"), dict):
             chunk["usage"]["prompt_tokens_details"] = self._details()
             self.usage_sent = True
             return b"data: " + json.dumps(chunk).encode()
         return event
+
+
+def _has_text(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
 
 
 def _bearer(headers: Headers) -> str | None:

@@ -1,0 +1,435 @@
+"""Micro benchmark: checkpoint create / restore against the raw llama.cpp sequence-state calls.
+
+On Gemma-3-270M (n_ctx 4096, n_batch 512, 2 threads, ``swa_full=False``) after a 1,500-token prompt:
+
+- capture: ``manager.checkpoint()`` (partial: the sliding-window part) and a full capture (``manager._capture`` and
+  ``manager.save()`` on a changed slot) against ``llama_state_seq_get_data_ext`` into a preallocated buffer of the
+  same size;
+- restore: ``manager._restore(checkpoint)`` / ``manager.load(entry)`` against ``llama_state_seq_set_data_ext`` from
+  the same buffer;
+- llama-cpp-python's own ``Llama.save_state()`` / ``load_state()`` on the same context;
+- bytes allocated per operation (tracemalloc peak) and state bytes copied (``manager.counters``);
+- the first-touch cost of a fresh ``np.empty`` buffer (page faults) against a reused one, which the create/raw ratio
+  depends on: the manager allocates a new buffer per checkpoint, the raw call writes into a warm one.
+
+Run: ``.venv/bin/python bench/micro.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import gc
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import llama_cpp
+import numpy as np
+from llama_cpp import Llama
+
+import ckpt_plugin
+from _common import (
+    GEMMA_VOCAB,
+    Case,
+    Report,
+    Samples,
+    allocated_peak,
+    fmt_bytes,
+    fmt_ms,
+    fmt_ratio,
+    measure,
+    open_gemma,
+    random_prompt,
+    ratio,
+)
+
+PROMPT_TOKENS = 1500
+_u8_p = ctypes.POINTER(ctypes.c_uint8)
+
+
+def _flags(partial: bool) -> int:
+    return llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else llama_cpp.LLAMA_STATE_SEQ_FLAGS_NONE
+
+
+def warm_buffer(n_bytes: int) -> np.ndarray:
+    """A buffer whose pages are already mapped (written once)."""
+    buffer = np.empty(n_bytes, dtype=np.uint8)
+    buffer.fill(0)
+    return buffer
+
+
+def raw_get(ctx: Any, buffer: np.ndarray, partial: bool) -> Callable[[], int]:
+    """``llama_state_seq_get_data_ext`` of sequence 0 into ``buffer`` (pointer computed once, outside the timing)."""
+    pointer, size, flags = buffer.ctypes.data_as(_u8_p), buffer.nbytes, _flags(partial)
+    return lambda: int(llama_cpp.llama_state_seq_get_data_ext(ctx, pointer, size, 0, flags))
+
+
+def raw_set(ctx: Any, buffer: np.ndarray, partial: bool) -> Callable[[], int]:
+    """``llama_state_seq_set_data_ext`` of sequence 0 from ``buffer``."""
+    pointer, size, flags = buffer.ctypes.data_as(_u8_p), buffer.nbytes, _flags(partial)
+    return lambda: int(llama_cpp.llama_state_seq_set_data_ext(ctx, pointer, size, 0, flags))
+
+
+def _get_into_fresh(ctx: Any, n_bytes: int, partial: bool) -> np.ndarray:
+    buffer = np.empty(n_bytes, dtype=np.uint8)
+    raw_get(ctx, buffer, partial)()
+    return buffer
+
+
+def raw_get_fresh(ctx: Any, n_bytes: int, partial: bool, keep: collections.deque) -> Callable[[], None]:
+    """The raw get into a new ``np.empty`` buffer per call, kept in ``keep``.
+
+    With a bounded ``keep`` the oldest buffer is freed inside the call, as ``manager.checkpoint()`` frees the
+    checkpoint it erases at the limit.
+    """
+
+    def run() -> None:
+        keep.append(_get_into_fresh(ctx, n_bytes, partial))
+
+    return run
+
+
+def replacing(make: Callable[[], object]) -> Case:
+    """``make()`` whose previous result is released before the call (untimed), as a saved capture is replaced."""
+    held: list[object] = []
+    return Case(setup=held.clear, run=lambda _: held.append(make()))
+
+
+@dataclass
+class Context:
+    """The measured Gemma context: an attached Llama after the prompt, its manager and state sizes."""
+
+    llama: Llama
+    manager: ckpt_plugin.CheckpointManager
+    partial_bytes: int
+    full_bytes: int
+
+    @property
+    def ctx(self) -> Any:
+        return self.llama.ctx
+
+
+def open_context() -> Context:
+    llama = open_gemma()
+    manager = ckpt_plugin.attach(llama, load_entrypoints=False)
+    llama.eval(random_prompt(np.random.default_rng(0), PROMPT_TOKENS, GEMMA_VOCAB, llama.token_bos()))
+    backend = manager.backend
+    return Context(llama, manager, backend.state_size(True), backend.state_size(False))
+
+
+def save_changed(manager: ckpt_plugin.CheckpointManager) -> ckpt_plugin.CacheEntry:
+    """``manager.save()`` after dropping the capture it would reuse, as after a change of the slot."""
+    manager._full_capture = None
+    return manager.save()
+
+
+def forced_save(manager: ckpt_plugin.CheckpointManager) -> Case:
+    """``manager.save()`` with its reused capture dropped first (untimed), as after a change of the slot."""
+    return Case(setup=lambda: setattr(manager, "_full_capture", None), run=lambda _: manager.save())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# measurements
+
+
+def fill_to_limit(manager: ckpt_plugin.CheckpointManager, kept: collections.deque, ctx: Any, n_bytes: int) -> None:
+    """Bring the slot (and the raw mirror ``kept``) to the checkpoint limit, so that every new one frees one."""
+    while len(manager.slot.checkpoints) < manager.settings.max_checkpoints:
+        manager.checkpoint()
+    while len(kept) < (kept.maxlen or 0):
+        kept.append(_get_into_fresh(ctx, n_bytes, True))
+
+
+def measure_capture(c: Context, repeats: int) -> dict[str, Samples]:
+    """Steady state: the slot is at its checkpoint limit, so each ``checkpoint()`` erases (frees) one."""
+    m = c.manager
+    kept_partial: collections.deque = collections.deque(maxlen=m.settings.max_checkpoints)
+    fill_to_limit(m, kept_partial, c.ctx, c.partial_bytes)
+    cases: dict[str, Case | Callable[[], object]] = {
+        "manager.checkpoint() (partial)": m.checkpoint,
+        "raw get partial, preallocated buffer": raw_get(c.ctx, warm_buffer(c.partial_bytes), True),
+        "raw get partial, fresh np.empty": raw_get_fresh(c.ctx, c.partial_bytes, True, kept_partial),
+        "llama_state_seq_get_size_ext (partial)": lambda: llama_cpp.llama_state_seq_get_size_ext(
+            c.ctx, 0, _flags(True)
+        ),
+        "manager._capture(partial=False)": replacing(lambda: m._capture(partial=False)),
+        "manager.save() (changed slot)": forced_save(m),
+        "raw get full, preallocated buffer": raw_get(c.ctx, warm_buffer(c.full_bytes), False),
+        "raw get full, fresh np.empty": replacing(lambda: _get_into_fresh(c.ctx, c.full_bytes, False)),
+    }
+    return measure(cases, repeats)
+
+
+def measure_restore(c: Context, repeats: int) -> dict[str, Samples]:
+    m = c.manager
+    checkpoint = m.checkpoint()
+    entry = m.save()
+    assert checkpoint is not None
+    for check in (raw_set(c.ctx, checkpoint.target, True), raw_set(c.ctx, entry.state.target, False)):
+        assert check() > 0, "llama.cpp refused a state it just produced"
+    cases: dict[str, Case | Callable[[], object]] = {
+        "manager._restore(checkpoint) (partial)": lambda: m._restore(checkpoint),
+        "raw set partial, same buffer": raw_set(c.ctx, checkpoint.target, True),
+        "manager.load(entry) (full)": lambda: m.load(entry),
+        "manager._restore(entry.state) (full)": lambda: m._restore(entry.state),
+        "raw set full, same buffer": raw_set(c.ctx, entry.state.target, False),
+    }
+    return measure(cases, repeats)
+
+
+def measure_host_state(c: Context, repeats: int) -> dict[str, Samples]:
+    """llama-cpp-python's own save_state/load_state (the unpatched class methods: what an unattached Llama runs)."""
+    m, held = c.manager, {}
+    entry = m.save()
+
+    def drop_state() -> None:
+        held.clear()
+        gc.collect()
+
+    cases: dict[str, Case | Callable[[], object]] = {
+        "Llama.save_state()": Case(setup=drop_state, run=lambda _: held.update(state=Llama.save_state(c.llama))),
+        "Llama.load_state(state)": lambda: Llama.load_state(c.llama, held["state"]),
+        "manager.save() (changed slot)": forced_save(m),
+        "manager.load(entry)": lambda: m.load(entry),
+    }
+    samples = measure(cases, repeats, warmup=0)
+    drop_state()
+    return samples
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    operation: str
+    allocated: int
+    copied: int | None
+    state_bytes: int
+
+
+def _copied_by(manager: ckpt_plugin.CheckpointManager, fn: Callable[[], object]) -> tuple[int, int]:
+    """``(peak bytes allocated, state bytes the manager copied)`` while ``fn`` runs."""
+    counters = manager.counters
+    before = counters.bytes_captured + counters.bytes_restored
+    allocated = allocated_peak(fn)
+    return allocated, counters.bytes_captured + counters.bytes_restored - before
+
+
+def measure_memory(c: Context) -> list[MemoryRow]:
+    m = c.manager
+    checkpoint = m.checkpoint()
+    entry = m.save()
+    assert checkpoint is not None
+    rows = []
+    manager_ops: list[tuple[str, Callable[[], object], int]] = [
+        ("manager.checkpoint() (partial)", m.checkpoint, c.partial_bytes),
+        ("manager._capture(partial=False)", lambda: m._capture(partial=False), c.full_bytes),
+        ("manager.save() (changed slot)", lambda: save_changed(m), c.full_bytes),
+        ("manager.save() (unchanged slot)", m.save, c.full_bytes),
+        ("manager._restore(checkpoint) (partial)", lambda: m._restore(checkpoint), c.partial_bytes),
+        ("manager.load(entry) (full)", lambda: m.load(entry), c.full_bytes),
+    ]
+    for name, fn, size in manager_ops:
+        allocated, copied = _copied_by(m, fn)
+        rows.append(MemoryRow(name, allocated, copied, size))
+    raw_ops = [
+        ("raw get partial, preallocated buffer", raw_get(c.ctx, warm_buffer(c.partial_bytes), True), c.partial_bytes),
+        ("raw set partial, same buffer", raw_set(c.ctx, checkpoint.target, True), c.partial_bytes),
+        ("raw get full, preallocated buffer", raw_get(c.ctx, warm_buffer(c.full_bytes), False), c.full_bytes),
+        ("raw set full, same buffer", raw_set(c.ctx, entry.state.target, False), c.full_bytes),
+    ]
+    for name, fn, size in raw_ops:
+        written: list[int] = []
+        allocated = allocated_peak(lambda: written.append(fn()))
+        rows.append(MemoryRow(name, allocated, written[0], size))
+    host_size = int(llama_cpp.llama_state_get_size(c.ctx))
+    held: dict[str, Any] = {}
+    allocated = allocated_peak(lambda: held.update(state=Llama.save_state(c.llama)))
+    rows.append(MemoryRow("Llama.save_state()", allocated, None, host_size))
+    allocated = allocated_peak(lambda: Llama.load_state(c.llama, held["state"]))
+    rows.append(MemoryRow("Llama.load_state(state)", allocated, None, host_size))
+    return rows
+
+
+def without_hugepages(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` with numpy's ``madvise(MADV_HUGEPAGE)`` of large allocations switched off."""
+    switch = np._core.multiarray._set_madvise_hugepage
+
+    def run() -> None:
+        previous = switch(False)
+        try:
+            fn()
+        finally:
+            switch(previous)
+
+    return run
+
+
+def measure_first_touch(c: Context, repeats: int) -> dict[str, Samples]:
+    """Growth: nothing is freed (every fresh buffer stays alive, the checkpoint limit is lifted), so every new
+    buffer's pages are fresh; against writing into a reused buffer."""
+    m, n_bytes = c.manager, c.partial_bytes
+    kept: collections.deque = collections.deque()
+    warm = warm_buffer(n_bytes)
+
+    def fill_fresh() -> None:
+        buffer = np.empty(n_bytes, dtype=np.uint8)
+        kept.append(buffer)
+        buffer.fill(1)
+
+    cases: dict[str, Case | Callable[[], object]] = {
+        "manager.checkpoint(), no checkpoint freed": m.checkpoint,
+        "raw get partial, fresh np.empty (all kept)": raw_get_fresh(c.ctx, n_bytes, True, kept),
+        "raw get partial, preallocated buffer": raw_get(c.ctx, warm, True),
+        "np.empty + fill (fresh pages)": fill_fresh,
+        "np.empty + fill (fresh pages, no MADV_HUGEPAGE)": without_hugepages(fill_fresh),
+        "fill a reused buffer": lambda: warm.fill(1),
+    }
+    limit = m.settings.max_checkpoints
+    m.settings.max_checkpoints = 100_000
+    try:
+        return measure(cases, repeats)
+    finally:
+        m.settings.max_checkpoints = limit
+        kept.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# report
+
+
+def _timing_rows(samples: dict[str, Samples], baseline: dict[str, str]) -> list[list[str]]:
+    rows = []
+    for name, s in samples.items():
+        base = baseline.get(name)
+        shown = fmt_ratio(ratio(s.median, samples[base].median)) if base else ""
+        rows.append([name, fmt_ms(s.median), f"{s.median_faults:.0f}", shown, base or ""])
+    return rows
+
+
+TIMING_HEADERS = ["operation", "median", "page faults", "ratio", "vs"]
+
+
+def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Samples],
+                 host: dict[str, Samples], memory: list[MemoryRow], touch: dict[str, Samples],
+                 repeats: int, host_repeats: int) -> Report:
+    report = Report("Micro: checkpoint create / restore vs the raw state calls")
+    report.text(
+        f"Gemma-3-270M Q4_K_M, n_ctx 4096, n_batch 512, 2 threads, `swa_full=False`, after a {PROMPT_TOKENS:,}-token "
+        f"prompt. Sequence state: {fmt_bytes(c.partial_bytes)} partial (sliding-window part), "
+        f"{fmt_bytes(c.full_bytes)} full. Medians of {repeats} rounds; every case of a table runs once per round, "
+        f"side by side. 'page faults' is the median of minor page faults per call (first touches of fresh pages)."
+    )
+    pr, fr = "raw get partial, preallocated buffer", "raw get full, preallocated buffer"
+    report.text("**Capture** (steady state: the slot holds its limit of checkpoints, so each `checkpoint()` erases "
+                "one, and the fresh-buffer raw case frees its oldest of as many buffers likewise)")
+    report.table(TIMING_HEADERS, _timing_rows(capture, {
+        "manager.checkpoint() (partial)": pr,
+        "raw get partial, fresh np.empty": pr,
+        "llama_state_seq_get_size_ext (partial)": pr,
+        "manager._capture(partial=False)": fr,
+        "manager.save() (changed slot)": fr,
+        "raw get full, fresh np.empty": fr,
+    }))
+    rp, rf = "raw set partial, same buffer", "raw set full, same buffer"
+    report.text("**Restore**")
+    report.table(TIMING_HEADERS, _timing_rows(restore, {
+        "manager._restore(checkpoint) (partial)": rp,
+        "manager.load(entry) (full)": rf,
+        "manager._restore(entry.state) (full)": rf,
+    }))
+    report.text(
+        f"**llama-cpp-python's `Llama.save_state()` / `load_state()`** (the class's own methods called on the same "
+        f"context, i.e. what an unattached `Llama` runs; they copy the whole context state and the "
+        f"{fmt_bytes(c.llama.scores.nbytes)} logits array), {host_repeats} round(s), side by side with the manager:"
+    )
+    report.table(TIMING_HEADERS, _timing_rows(host, {
+        "Llama.save_state()": "manager.save() (changed slot)",
+        "Llama.load_state(state)": "manager.load(entry)",
+    }))
+    report.text("**Bytes per operation** (allocated: tracemalloc peak during the call; copied: state bytes the "
+                "manager's counters saw, or the bytes the raw call wrote/read)")
+    report.table(
+        ["operation", "state bytes", "allocated", "allocated / state", "copied", "copies of the state"],
+        [[r.operation, fmt_bytes(r.state_bytes), fmt_bytes(r.allocated), f"{ratio(r.allocated, r.state_bytes):.2f}",
+          "n/a" if r.copied is None else fmt_bytes(r.copied),
+          "n/a" if r.copied is None else f"{ratio(r.copied, r.state_bytes):.2f}"] for r in memory],
+    )
+    report.text(f"**First touch of fresh buffers** ({fmt_bytes(c.partial_bytes)}; growth phase: the checkpoint "
+                "limit is lifted and every fresh buffer stays alive, so the allocator cannot hand back pages already "
+                "mapped). NumPy asks for transparent huge pages (`madvise(MADV_HUGEPAGE)`) on allocations of 4 MB "
+                f"and more; this kernel's THP setting is `{thp_setting()}`.")
+    report.table(TIMING_HEADERS, _timing_rows(touch, {
+        "manager.checkpoint(), no checkpoint freed": "raw get partial, preallocated buffer",
+        "raw get partial, fresh np.empty (all kept)": "raw get partial, preallocated buffer",
+        "np.empty + fill (fresh pages)": "fill a reused buffer",
+        "np.empty + fill (fresh pages, no MADV_HUGEPAGE)": "fill a reused buffer",
+    }))
+    first_touch = touch["np.empty + fill (fresh pages)"].median - touch["fill a reused buffer"].median
+    report.text(
+        f"First-touch cost of {fmt_bytes(c.partial_bytes)} of fresh pages: {fmt_ms(first_touch)} "
+        f"({fmt_ratio(ratio(first_touch, touch['raw get partial, preallocated buffer'].median))} of the raw partial "
+        "get into a warm buffer). The manager allocates a new buffer per checkpoint (buffers are immutable and "
+        "shared, so one cannot be reused while anything references it); whether its pages are fresh depends on the "
+        "allocator: in the steady state of the capture table (the slot at its limit, each checkpoint erasing one) "
+        "glibc hands back freed blocks, while a growing slot or cache touches fresh pages every time."
+    )
+    _add_figures(report, capture, restore, host, touch)
+    return report
+
+
+def thp_setting() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str, Samples],
+                 host: dict[str, Samples], touch: dict[str, Samples]) -> None:
+    def r(samples: dict[str, Samples], a: str, b: str) -> str:
+        return fmt_ratio(ratio(samples[a].median, samples[b].median))
+
+    report.figure("checkpoint create / raw get (partial, preallocated buffer)",
+                  r(capture, "manager.checkpoint() (partial)", "raw get partial, preallocated buffer"))
+    report.figure("checkpoint create / raw get into a fresh np.empty (partial)",
+                  r(capture, "manager.checkpoint() (partial)", "raw get partial, fresh np.empty"))
+    report.figure("full capture (_capture) / raw get (full)",
+                  r(capture, "manager._capture(partial=False)", "raw get full, preallocated buffer"))
+    report.figure("save() on a changed slot / raw get (full)",
+                  r(capture, "manager.save() (changed slot)", "raw get full, preallocated buffer"))
+    report.figure("restore (partial checkpoint) / raw set",
+                  r(restore, "manager._restore(checkpoint) (partial)", "raw set partial, same buffer"))
+    report.figure("load(entry) (full) / raw set",
+                  r(restore, "manager.load(entry) (full)", "raw set full, same buffer"))
+    report.figure("Llama.save_state() / manager.save()", r(host, "Llama.save_state()", "manager.save() (changed slot)"))
+    report.figure("Llama.load_state() / manager.load()", r(host, "Llama.load_state(state)", "manager.load(entry)"))
+    report.figure("checkpoint create while growing (fresh pages) / raw get (preallocated)",
+                  r(touch, "manager.checkpoint(), no checkpoint freed", "raw get partial, preallocated buffer"))
+    report.figure("fresh-page fill / reused-buffer fill", r(touch, "np.empty + fill (fresh pages)", "fill a reused buffer"))
+
+
+def run(quick: bool = False) -> Report:
+    repeats, host_repeats = (9, 1) if quick else (41, 2)
+    c = open_context()
+    try:
+        capture = measure_capture(c, repeats)
+        restore = measure_restore(c, repeats)
+        host = measure_host_state(c, host_repeats)
+        memory = measure_memory(c)
+        touch = measure_first_touch(c, repeats)
+        return build_report(c, capture, restore, host, memory, touch, repeats, host_repeats)
+    finally:
+        ckpt_plugin.detach(c.llama)
+        c.llama.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    report = run(parser.parse_args().quick)
+    print(report.markdown())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""A ``LlamaProxy`` that attaches a checkpoint manager to every model the server loads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llama_cpp.server.model import LlamaProxy
+from llama_cpp.server.settings import ModelSettings
+
+from ckpt_plugin import CheckpointManager, CheckpointSettings, PromptCache, attach
+from ckpt_plugin.config import ServeSettings
+
+
+class CheckpointLlamaProxy(LlamaProxy):
+    """``llama_cpp.server``'s model proxy, with checkpoints.
+
+    Each model alias keeps its own prompt cache across model switches: the live conversation is parked in the cache
+    before the server closes a model, and the entries stay valid for the reloaded model (same fingerprint), so
+    switching back is warm.
+
+    :param models: The server's model settings.
+    :param settings: Checkpoint settings applied to every model.
+    """
+
+    def __init__(self, models: list[ModelSettings], settings: ServeSettings) -> None:
+        self.checkpoint_settings = CheckpointSettings(
+            **settings.model_dump(include=set(CheckpointSettings.model_fields))
+        )
+        self.managers: dict[str, CheckpointManager] = {}
+        self._caches: dict[str, PromptCache] = {}
+        super().__init__(models)
+
+    def __call__(self, model: str | None = None) -> Any:
+        alias = model if model in self._model_settings_dict else self._default_model_alias
+        if alias != self._current_model_alias:
+            for manager in self.managers.values():
+                if manager.slot.n_tokens >= manager.settings.cache_min_tokens:
+                    manager.save_to_cache()
+            self.managers = {}
+        return super().__call__(model)
+
+    def load_llama_from_model_settings(self, settings: ModelSettings) -> Any:  # type: ignore[override]
+        llama = LlamaProxy.load_llama_from_model_settings(settings)
+        alias = settings.model_alias or settings.model
+        cache = self._caches.get(alias)
+        if cache is None:
+            cache = self._caches[alias] = PromptCache(
+                self.checkpoint_settings.cache_max_bytes, self.checkpoint_settings.cache_max_tokens
+            )
+        self.managers = {alias: attach(llama, self.checkpoint_settings, cache=cache)}
+        return llama
