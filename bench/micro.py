@@ -21,6 +21,7 @@ import argparse
 import collections
 import ctypes
 import gc
+import mmap
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -250,38 +251,35 @@ def measure_memory(c: Context) -> list[MemoryRow]:
     return rows
 
 
-def without_hugepages(fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` with numpy's ``madvise(MADV_HUGEPAGE)`` of large allocations switched off."""
-    switch = np._core.multiarray._set_madvise_hugepage
-
-    def run() -> None:
-        previous = switch(False)
-        try:
-            fn()
-        finally:
-            switch(previous)
-
-    return run
+def fresh_pages(n_bytes: int, kept: list, hugepages: bool = False) -> np.ndarray:
+    """A buffer on pages never touched before (a new anonymous mapping, kept alive in ``kept``)."""
+    mapping = mmap.mmap(-1, n_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hugepages:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    buffer = np.frombuffer(mapping, dtype=np.uint8)
+    kept.append(buffer)
+    return buffer
 
 
 def measure_first_touch(c: Context, repeats: int) -> dict[str, Samples]:
-    """Growth: nothing is freed (every fresh buffer stays alive, the checkpoint limit is lifted), so every new
-    buffer's pages are fresh; against writing into a reused buffer."""
+    """Growth: nothing is freed (the checkpoint limit is lifted, fresh buffers stay alive).
+
+    Whether ``np.empty`` returns fresh pages depends on what the allocator got back before, so the pure first-touch
+    cost is measured on new anonymous mappings, which are always fresh.
+    """
     m, n_bytes = c.manager, c.partial_bytes
-    kept: collections.deque = collections.deque()
+    kept: list = []
     warm = warm_buffer(n_bytes)
-
-    def fill_fresh() -> None:
-        buffer = np.empty(n_bytes, dtype=np.uint8)
-        kept.append(buffer)
-        buffer.fill(1)
-
     cases: dict[str, Case | Callable[[], object]] = {
-        "manager.checkpoint(), no checkpoint freed": m.checkpoint,
-        "raw get partial, fresh np.empty (all kept)": raw_get_fresh(c.ctx, n_bytes, True, kept),
+        "manager.checkpoint(), limit lifted": m.checkpoint,
+        "raw get partial, fresh np.empty (all kept)": raw_get_fresh(c.ctx, n_bytes, True, collections.deque()),
+        "raw get partial, fresh mmap pages": lambda: raw_get(c.ctx, fresh_pages(n_bytes, kept), True)(),
+        "raw get partial, fresh mmap pages + MADV_HUGEPAGE": lambda: raw_get(
+            c.ctx, fresh_pages(n_bytes, kept, hugepages=True), True
+        )(),
         "raw get partial, preallocated buffer": raw_get(c.ctx, warm, True),
-        "np.empty + fill (fresh pages)": fill_fresh,
-        "np.empty + fill (fresh pages, no MADV_HUGEPAGE)": without_hugepages(fill_fresh),
+        "fill fresh mmap pages": lambda: fresh_pages(n_bytes, kept).fill(1),
+        "fill fresh mmap pages + MADV_HUGEPAGE": lambda: fresh_pages(n_bytes, kept, hugepages=True).fill(1),
         "fill a reused buffer": lambda: warm.fill(1),
     }
     limit = m.settings.max_checkpoints
@@ -354,35 +352,46 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
           "n/a" if r.copied is None else fmt_bytes(r.copied),
           "n/a" if r.copied is None else f"{ratio(r.copied, r.state_bytes):.2f}"] for r in memory],
     )
-    report.text(f"**First touch of fresh buffers** ({fmt_bytes(c.partial_bytes)}; growth phase: the checkpoint "
-                "limit is lifted and every fresh buffer stays alive, so the allocator cannot hand back pages already "
-                "mapped). NumPy asks for transparent huge pages (`madvise(MADV_HUGEPAGE)`) on allocations of 4 MB "
-                f"and more; this kernel's THP setting is `{thp_setting()}`.")
+    report.text(f"**First touch of fresh pages** ({fmt_bytes(c.partial_bytes)}; growth phase, measured first: the "
+                "checkpoint limit is lifted and nothing is freed). Whether `np.empty` hands out fresh pages depends on "
+                "what the allocator got back before; new anonymous mappings are always fresh. NumPy itself asks for "
+                "transparent huge pages (`madvise(MADV_HUGEPAGE)`) on allocations of 4 MB and more; this kernel's THP "
+                f"setting is `{thp_setting()}`.")
+    warm_get = "raw get partial, preallocated buffer"
     report.table(TIMING_HEADERS, _timing_rows(touch, {
-        "manager.checkpoint(), no checkpoint freed": "raw get partial, preallocated buffer",
-        "raw get partial, fresh np.empty (all kept)": "raw get partial, preallocated buffer",
-        "np.empty + fill (fresh pages)": "fill a reused buffer",
-        "np.empty + fill (fresh pages, no MADV_HUGEPAGE)": "fill a reused buffer",
+        "manager.checkpoint(), limit lifted": warm_get,
+        "raw get partial, fresh np.empty (all kept)": warm_get,
+        "raw get partial, fresh mmap pages": warm_get,
+        "raw get partial, fresh mmap pages + MADV_HUGEPAGE": warm_get,
+        "fill fresh mmap pages": "fill a reused buffer",
+        "fill fresh mmap pages + MADV_HUGEPAGE": "fill a reused buffer",
     }))
-    first_touch = touch["np.empty + fill (fresh pages)"].median - touch["fill a reused buffer"].median
+    warm = touch[warm_get].median
+    small = touch["raw get partial, fresh mmap pages"].median - warm
+    huge = touch["raw get partial, fresh mmap pages + MADV_HUGEPAGE"].median - warm
     report.text(
-        f"First-touch cost of {fmt_bytes(c.partial_bytes)} of fresh pages: {fmt_ms(first_touch)} "
-        f"({fmt_ratio(ratio(first_touch, touch['raw get partial, preallocated buffer'].median))} of the raw partial "
-        "get into a warm buffer). The manager allocates a new buffer per checkpoint (buffers are immutable and "
-        "shared, so one cannot be reused while anything references it); whether its pages are fresh depends on the "
-        "allocator: in the steady state of the capture table (the slot at its limit, each checkpoint erasing one) "
-        "glibc hands back freed blocks, while a growing slot or cache touches fresh pages every time."
+        f"First-touch cost of {fmt_bytes(c.partial_bytes)} of fresh pages in the raw get: {fmt_ms(small)} with 4 kB "
+        f"pages (+{ratio(small, warm):.0%} over the get into a warm buffer), {fmt_ms(huge)} with "
+        f"`MADV_HUGEPAGE` (+{ratio(huge, warm):.0%}), which is what `np.empty` of a state buffer asks for (with THP "
+        "defrag on `madvise`, a huge-page fault may compact memory synchronously). The manager allocates a new "
+        "buffer per checkpoint (buffers are immutable and shared, so one cannot be reused while anything "
+        "references it), so its create/raw ratio is close to 1 when the allocator hands back freed blocks (the "
+        "steady state of the capture table) and far above it whenever a growing slot or cache gets fresh pages."
     )
     _add_figures(report, capture, restore, host, touch)
     return report
 
 
 def thp_setting() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
+    """The kernel's transparent-huge-page ``enabled`` and ``defrag`` settings."""
+    values = []
+    for name in ("enabled", "defrag"):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+                values.append(f"{name}: {f.read().strip()}")
+        except OSError:
+            values.append(f"{name}: unknown")
+    return "; ".join(values)
 
 
 def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str, Samples],
@@ -404,20 +413,23 @@ def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str,
                   r(restore, "manager.load(entry) (full)", "raw set full, same buffer"))
     report.figure("Llama.save_state() / manager.save()", r(host, "Llama.save_state()", "manager.save() (changed slot)"))
     report.figure("Llama.load_state() / manager.load()", r(host, "Llama.load_state(state)", "manager.load(entry)"))
-    report.figure("checkpoint create while growing (fresh pages) / raw get (preallocated)",
-                  r(touch, "manager.checkpoint(), no checkpoint freed", "raw get partial, preallocated buffer"))
-    report.figure("fresh-page fill / reused-buffer fill", r(touch, "np.empty + fill (fresh pages)", "fill a reused buffer"))
+    report.figure("checkpoint create, growing slot (limit lifted) / raw get (preallocated)",
+                  r(touch, "manager.checkpoint(), limit lifted", "raw get partial, preallocated buffer"))
+    report.figure("raw get into fresh 4 kB pages / into a preallocated buffer",
+                  r(touch, "raw get partial, fresh mmap pages", "raw get partial, preallocated buffer"))
+    report.figure("raw get into fresh MADV_HUGEPAGE pages / into a preallocated buffer",
+                  r(touch, "raw get partial, fresh mmap pages + MADV_HUGEPAGE", "raw get partial, preallocated buffer"))
 
 
 def run(quick: bool = False) -> Report:
     repeats, host_repeats = (9, 1) if quick else (41, 2)
     c = open_context()
     try:
+        touch = measure_first_touch(c, repeats)  # first, before large blocks were freed back to the allocator
         capture = measure_capture(c, repeats)
         restore = measure_restore(c, repeats)
         host = measure_host_state(c, host_repeats)
         memory = measure_memory(c)
-        touch = measure_first_touch(c, repeats)
         return build_report(c, capture, restore, host, memory, touch, repeats, host_repeats)
     finally:
         ckpt_plugin.detach(c.llama)

@@ -14,7 +14,9 @@ Routes it answers itself (everything else goes to the app):
 Admin routes are off (404) unless ``admin`` is set; when the host has an API key, admin routes and metrics require
 ``Authorization: Bearer <key>`` (401 otherwise).
 
-On ``POST .../completions`` responses the middleware adds ``usage.prompt_tokens_details.cached_tokens`` (as OpenAI
+Completion requests (``POST .../completions``) must carry a JSON object (400 otherwise, 413 over
+``MAX_BODY_BYTES``) and pass the optional ``validators`` (422 with the error); the model is never reached with a body
+it cannot parse. On their responses the middleware adds ``usage.prompt_tokens_details.cached_tokens`` (as OpenAI
 and vLLM report it); for streamed responses requested with ``stream_options.include_usage`` it adds the final usage
 chunk before ``data: [DONE]``.
 """
@@ -36,6 +38,8 @@ from .metrics import CONTENT_TYPE, Metrics
 from .request import RequestScope, current_request
 
 Managers = Mapping[str, CheckpointManager]
+Validator = Callable[[dict[str, Any]], None]
+MAX_BODY_BYTES = 32 << 20
 
 
 class CheckpointMiddleware:
@@ -45,6 +49,8 @@ class CheckpointMiddleware:
     :param managers: The attached managers by model name, or a callable returning them (models can change).
     :param settings: Admin, metrics and namespace settings.
     :param api_key: The host's API key, if it has one.
+    :param validators: Request-body validators by path suffix (e.g. ``"/chat/completions"``); a validator raises
+        ``ValueError`` (pydantic's ``ValidationError`` is one) to refuse a body with 422.
     """
 
     def __init__(
@@ -53,8 +59,10 @@ class CheckpointMiddleware:
         managers: Managers | Callable[[], Managers],
         settings: ServeSettings | None = None,
         api_key: str | None = None,
+        validators: Mapping[str, Validator] | None = None,
     ) -> None:
         self.app = app
+        self.validators = dict(validators or {})
         self.managers: Callable[[], Managers] = managers if callable(managers) else (lambda: managers)
         self.settings = settings or ServeSettings()
         self.api_key = api_key
@@ -81,11 +89,41 @@ class CheckpointMiddleware:
         token = current_request.set(request_scope)
         try:
             if scope["method"] == "POST" and path.endswith("/completions"):
-                await _UsageRewriter(self.app, request_scope)(scope, receive, send)
+                body, problem = await self._read_completion_request(path, receive)
+                if problem is not None:
+                    await problem(scope, receive, send)
+                    return
+                await _UsageRewriter(self.app, request_scope, body)(scope, _replay(body, receive), send)
             else:
                 await self.app(scope, receive, send)
         finally:
             current_request.reset(token)
+
+    async def _read_completion_request(self, path: str, receive: Receive) -> tuple[bytes, Response | None]:
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return bytes(body), _error(400, "disconnected", "the client went away")
+            body.extend(message.get("body", b""))
+            if len(body) > MAX_BODY_BYTES:
+                return b"", _error(413, "too_large", f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+            if not message.get("more_body", False):
+                break
+        try:
+            payload = json.loads(bytes(body))
+        except ValueError as exc:
+            return bytes(body), _error(400, "invalid_json", f"the request body is not valid JSON: {exc}")
+        if not isinstance(payload, dict):
+            return bytes(body), _error(400, "invalid_json", "the request body must be a JSON object")
+        for suffix, validate in self.validators.items():
+            if path.endswith(suffix):
+                try:
+                    validate(payload)
+                except ValueError as exc:
+                    return bytes(body), _error(422, "invalid_request", str(exc))
+                break
+        return bytes(body), None
 
     # -- tenants ----------------------------------------------------------------------------------------------------
 
@@ -146,10 +184,10 @@ class CheckpointMiddleware:
 class _UsageRewriter:
     """Adds ``prompt_tokens_details.cached_tokens`` to one completion response."""
 
-    def __init__(self, app: ASGIApp, request_scope: RequestScope) -> None:
+    def __init__(self, app: ASGIApp, request_scope: RequestScope, request_body: bytes) -> None:
         self.app = app
         self.request_scope = request_scope
-        self.request_body = bytearray()
+        self.request_body = request_body
         self.start: Message | None = None
         self.body = bytearray()
         self.streaming = False
@@ -160,12 +198,6 @@ class _UsageRewriter:
         self.passthrough = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def receive_and_keep() -> Message:
-            message = await receive()
-            if message["type"] == "http.request" and len(self.request_body) < 1 << 20:
-                self.request_body.extend(message.get("body", b""))
-            return message
-
         async def rewrite(message: Message) -> None:
             if message["type"] == "http.response.start":
                 content_type = Headers(raw=message["headers"]).get("content-type", "")
@@ -194,7 +226,7 @@ class _UsageRewriter:
             await send({**self.start, "headers": headers.raw})
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
-        await self.app(scope, receive_and_keep, rewrite)
+        await self.app(scope, receive, rewrite)
 
     def _details(self) -> dict[str, int]:
         return {"cached_tokens": self.request_scope.cached_tokens}
@@ -212,7 +244,7 @@ class _UsageRewriter:
 
     def _wants_usage(self) -> bool:
         try:
-            request = json.loads(bytes(self.request_body) or b"{}")
+            request = json.loads(self.request_body or b"{}")
         except ValueError:
             return False
         options = request.get("stream_options") if isinstance(request, dict) else None
@@ -261,6 +293,20 @@ class _UsageRewriter:
             self.usage_sent = True
             return b"data: " + json.dumps(chunk).encode()
         return event
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the already-read body, then the client's own messages (disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _has_text(choice: Any) -> bool:

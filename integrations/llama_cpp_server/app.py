@@ -7,6 +7,7 @@ from typing import Any
 
 import llama_cpp.server.app as host
 from llama_cpp.server.settings import ModelSettings, ServerSettings
+from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
 from ckpt_plugin.config import ServeSettings
 from ckpt_plugin.middleware import CheckpointMiddleware
@@ -34,6 +35,14 @@ def create_app(
     proxy: CheckpointLlamaProxy = host._llama_proxy  # type: ignore[assignment]
     app.state.llama_proxy = proxy
     app.add_middleware(
-        CheckpointMiddleware, managers=lambda: proxy.managers, settings=settings, api_key=server_settings.api_key
+        CheckpointMiddleware,
+        managers=lambda: proxy.managers,
+        settings=settings,
+        api_key=server_settings.api_key,
+        # llama_cpp.server answers an invalid body with a 500; refuse it with a 422 before the model is touched.
+        validators={
+            "/chat/completions": CreateChatCompletionRequest.model_validate,
+            "/v1/completions": CreateCompletionRequest.model_validate,
+        },
     )
     return app

@@ -120,7 +120,11 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, li
             if not isinstance(section, dict):
                 raise ConfigError("the checkpoints section must be a mapping")
             config = ConfigFileSettings.model_validate_json(json.dumps(data))
-            server = ServerSettings.model_validate(config.model_dump(include=set(ServerSettings.model_fields)))
+            # Unlike llama_cpp.server, server flags given on the command line win over the file.
+            explicit = {k: v for k, v in vars(args).items() if v is not None and k in ServerSettings.model_fields}
+            server = ServerSettings.model_validate(
+                {**config.model_dump(include=set(ServerSettings.model_fields)), **explicit}
+            )
             models = config.models
             if not models:
                 raise ConfigError(f"config file {config_file} names no models")

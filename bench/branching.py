@@ -1,0 +1,327 @@
+"""Branching-agent benchmark: tokens evaluated per request against the ideal, with and without the plugin.
+
+One 1,400-token prompt P, then requests that diverge and come back (4 greedy tokens each, through the host's own
+``Llama.generate``):
+
+1. P;  2. P[:1100] + 3 new tokens;  3. P again;  4. P[:600] + 3 new tokens;  5. P again.
+
+Ideal prompt tokens of a request: the prompt tokens after the longest prefix it shares with any state the context
+held after an earlier request (prompt + the generated tokens that were evaluated), at least 1.
+
+Configurations: Gemma-3-270M with ``swa_full=False`` (sliding window 512), and tiny generated models: llama (plain
+attention), mamba (recurrent), hybrid (LFM2), gemma3 (sliding window 32). Each runs side by side, request by request:
+WITH the plugin (``ckpt_plugin.attach``; counted by ``manager.counters.tokens_evaluated``), WITHOUT it (plain
+llama-cpp-python; counted by wrapping ``llama.eval`` on the instance), and a FRESH reference (``reset()`` before each
+request) whose answer each request is compared with. Both counts are cross-checked against the tokens actually passed
+to ``llama_decode``. Prompt tokens evaluated are the count at the first generated token.
+
+Run: ``.venv/bin/python bench/branching.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+import ckpt_plugin
+from _common import (
+    GEMMA_OPTIONS,
+    GEMMA_VOCAB,
+    TINY_OPTIONS,
+    TINY_VOCAB,
+    Report,
+    fmt_ms,
+    fmt_ratio,
+    gemma_path,
+    open_llama,
+    random_prompt,
+    random_tokens,
+    ratio,
+    tiny_path,
+)
+from ckpt_plugin.policy import common_prefix
+
+PROMPT_TOKENS = 1400
+N_GENERATE = 4
+WITH, WITHOUT, FRESH = "with plugin", "without plugin", "fresh"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    memory: str
+    path: Callable[[], str]
+    options: dict[str, Any]
+    vocab: tuple[int, int]
+
+
+CONFIGS = [
+    ModelConfig("Gemma-3-270M Q4_K_M, swa_full=False", "SWA (window 512)", gemma_path, GEMMA_OPTIONS, GEMMA_VOCAB),
+    ModelConfig("tiny llama", "plain", lambda: tiny_path("llama"), TINY_OPTIONS, TINY_VOCAB),
+    ModelConfig("tiny mamba", "recurrent", lambda: tiny_path("mamba"), TINY_OPTIONS, TINY_VOCAB),
+    ModelConfig("tiny hybrid (LFM2)", "hybrid", lambda: tiny_path("hybrid"), TINY_OPTIONS, TINY_VOCAB),
+    ModelConfig("tiny gemma3, swa_full=False", "SWA (window 32)", lambda: tiny_path("gemma3"),
+                {**TINY_OPTIONS, "swa_full": False}, TINY_VOCAB),
+]
+
+
+def branching_requests(bos: int, vocab: tuple[int, int], seed: int = 0) -> list[tuple[str, list[int]]]:
+    rng = np.random.default_rng(seed)
+    p = random_prompt(rng, PROMPT_TOKENS, vocab, bos)
+    return [
+        ("P (1,400)", p),
+        ("P[:1100] + 3 new", p[:1100] + random_tokens(rng, 3, vocab)),
+        ("back to P", p),
+        ("P[:600] + 3 new", p[:600] + random_tokens(rng, 3, vocab)),
+        ("back to P", p),
+    ]
+
+
+def ideal_counts(prompts: list[list[int]], answers: list[list[int]]) -> list[int]:
+    """Prompt tokens after the longest prefix shared with an earlier held state (at least 1)."""
+    held: list[np.ndarray] = []
+    ideal = []
+    for prompt, answer in zip(prompts, answers):
+        array = np.asarray(prompt, dtype=np.int32)
+        keep = max((min(common_prefix(h, array), len(prompt) - 1) for h in held), default=0)
+        ideal.append(len(prompt) - keep)
+        held.append(np.asarray(prompt + answer[:-1], dtype=np.int32))  # the last token is sampled, not evaluated
+    return ideal
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# counting
+
+
+class TokenCounter:
+    """Counts tokens given to ``llama.eval`` and to ``llama_decode`` on one ``Llama`` instance."""
+
+    def __init__(self, llama: Any, count_eval: bool) -> None:
+        self.evaluated = 0
+        self.decoded = 0
+        if count_eval:
+            inner_eval = llama.eval
+
+            def eval_counting(tokens: Any) -> None:
+                self.evaluated += len(tokens)
+                inner_eval(tokens)
+
+            llama.eval = eval_counting
+        ctx = llama._ctx
+        inner_decode = ctx.decode
+
+        def decode_counting(batch: Any) -> None:
+            self.decoded += int(batch.batch.n_tokens)
+            inner_decode(batch)
+
+        ctx.decode = decode_counting
+
+
+@dataclass
+class Served:
+    answer: list[int]
+    prompt_evaluated: int
+    prompt_decoded: int
+    seconds: float
+
+
+@dataclass
+class Runner:
+    """One Llama serving the requests, with how its evaluated tokens are counted."""
+
+    name: str
+    llama: Any
+    counter: TokenCounter
+    evaluated: Callable[[], int]
+    manager: ckpt_plugin.CheckpointManager | None = None
+    reset_each: bool = False
+
+    def serve(self, prompt: list[int]) -> Served:
+        if self.reset_each:
+            self.llama.reset()
+        before, decoded_before = self.evaluated(), self.counter.decoded
+        at_first: tuple[int, int] | None = None
+        answer: list[int] = []
+        started = time.perf_counter()
+        for token in self.llama.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+            if at_first is None:
+                at_first = (self.evaluated(), self.counter.decoded)
+            answer.append(int(token))
+            if len(answer) == N_GENERATE:
+                break
+        seconds = time.perf_counter() - started
+        assert at_first is not None
+        return Served(answer, at_first[0] - before, at_first[1] - decoded_before, seconds)
+
+    def close(self) -> None:
+        if self.manager is not None:
+            ckpt_plugin.detach(self.llama)
+        self.llama.close()
+
+
+def open_runners(cfg: ModelConfig) -> dict[str, Runner]:
+    path = cfg.path()
+    with_llama = open_llama(path, **cfg.options)
+    manager = ckpt_plugin.attach(with_llama, load_entrypoints=False)
+    with_counter = TokenCounter(with_llama, count_eval=False)
+    without_llama = open_llama(path, **cfg.options)
+    without_counter = TokenCounter(without_llama, count_eval=True)
+    fresh_llama = open_llama(path, **cfg.options)
+    fresh_counter = TokenCounter(fresh_llama, count_eval=True)
+    return {
+        WITH: Runner(WITH, with_llama, with_counter, lambda: manager.counters.tokens_evaluated, manager),
+        WITHOUT: Runner(WITHOUT, without_llama, without_counter, lambda: without_counter.evaluated),
+        FRESH: Runner(FRESH, fresh_llama, fresh_counter, lambda: fresh_counter.evaluated, reset_each=True),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# running
+
+
+@dataclass
+class ConfigResult:
+    cfg: ModelConfig
+    labels: list[str]
+    prompt_lengths: list[int]
+    ideal: list[int]
+    runs: list[dict[str, list[Served]]] = field(default_factory=list)  # one per repeat
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def served(self, runner: str) -> list[Served]:
+        return self.runs[0][runner]
+
+    def evaluated(self, runner: str) -> list[int]:
+        return [s.prompt_evaluated for s in self.served(runner)]
+
+    def median_seconds(self, runner: str, i: int) -> float:
+        return statistics.median(run[runner][i].seconds for run in self.runs)
+
+    def counts_stable(self) -> bool:
+        first = self.runs[0]
+        return all(
+            [s.prompt_evaluated for s in run[name]] == [s.prompt_evaluated for s in first[name]]
+            for run in self.runs for name in (WITH, WITHOUT)
+        )
+
+    def equal_to_fresh(self, runner: str) -> list[bool]:
+        return [a.answer == f.answer for a, f in zip(self.served(runner), self.served(FRESH))]
+
+
+def run_once(cfg: ModelConfig) -> tuple[list[tuple[str, list[int]]], dict[str, list[Served]], dict[str, Any]]:
+    runners = open_runners(cfg)
+    try:
+        requests = branching_requests(runners[WITH].llama.token_bos(), cfg.vocab)
+        served: dict[str, list[Served]] = {name: [] for name in runners}
+        for _, prompt in requests:
+            for name, runner in runners.items():  # side by side, request by request
+                served[name].append(runner.serve(prompt))
+        manager = runners[WITH].manager
+        assert manager is not None
+        return requests, served, manager.stats()
+    finally:
+        for runner in runners.values():
+            runner.close()
+
+
+def run_config(cfg: ModelConfig, repeats: int) -> ConfigResult:
+    requests, served, stats = run_once(cfg)
+    prompts = [prompt for _, prompt in requests]
+    result = ConfigResult(cfg, [label for label, _ in requests], [len(p) for p in prompts],
+                          ideal_counts(prompts, [s.answer for s in served[FRESH]]), [served], stats)
+    for _ in range(repeats - 1):
+        result.runs.append(run_once(cfg)[1])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# report
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def config_table(r: ConfigResult) -> tuple[list[str], list[list[str]]]:
+    headers = ["request", "prompt", "ideal", "without", "with", "llama_decode (without / with)",
+               "= fresh (without / with)", "time without", "time with", "time fresh"]
+    rows = []
+    eq_without, eq_with = r.equal_to_fresh(WITHOUT), r.equal_to_fresh(WITH)
+    for i, label in enumerate(r.labels):
+        without, with_ = r.served(WITHOUT)[i], r.served(WITH)[i]
+        rows.append([
+            label, f"{r.prompt_lengths[i]:,}", f"{r.ideal[i]:,}", f"{without.prompt_evaluated:,}",
+            f"{with_.prompt_evaluated:,}", f"{without.prompt_decoded:,} / {with_.prompt_decoded:,}",
+            f"{_yes(eq_without[i])} / {_yes(eq_with[i])}", fmt_ms(r.median_seconds(WITHOUT, i)),
+            fmt_ms(r.median_seconds(WITH, i)), fmt_ms(r.median_seconds(FRESH, i)),
+        ])
+    return headers, rows
+
+
+def total_row(r: ConfigResult) -> list[str]:
+    ideal = sum(r.ideal)
+    without, with_ = sum(r.evaluated(WITHOUT)), sum(r.evaluated(WITH))
+    n = len(r.labels)
+    time_without = sum(r.median_seconds(WITHOUT, i) for i in range(n))
+    time_with = sum(r.median_seconds(WITH, i) for i in range(n))
+    return [
+        r.cfg.name, r.cfg.memory, f"{ideal:,}", f"{without:,}", fmt_ratio(ratio(without, ideal)), f"{with_:,}",
+        fmt_ratio(ratio(with_, ideal)), f"{sum(r.equal_to_fresh(WITHOUT))}/{n}", f"{sum(r.equal_to_fresh(WITH))}/{n}",
+        f"{ratio(time_with, time_without):.2f}",
+    ]
+
+
+def build_report(results: list[ConfigResult], repeats: int) -> Report:
+    report = Report("Branching agent: tokens evaluated per request vs the ideal")
+    report.text(
+        f"One {PROMPT_TOKENS:,}-token prompt P (random ordinary tokens), then P[:1100] + 3 new tokens, P, "
+        f"P[:600] + 3 new tokens, P; {N_GENERATE} greedy tokens each through `Llama.generate`. 'ideal': prompt tokens "
+        "after the longest prefix shared with any state held after an earlier request (at least 1). Counts are prompt "
+        "tokens evaluated before the first generated token: 'with' by `manager.counters.tokens_evaluated`, "
+        "'without' by a wrapper of `llama.eval`, both cross-checked against the tokens passed to `llama_decode`. "
+        "'= fresh': the answer equals that of a reference `Llama` reset before the request (information only: "
+        "Gemma Q4_K_M logits depend slightly on how the prompt is split into batches). With plugin, without and fresh "
+        f"run side by side, request by request; times are medians of {repeats} repeat(s) of the whole sequence."
+    )
+    report.table(
+        ["model", "memory", "ideal", "without", "without / ideal", "with", "with / ideal", "= fresh without",
+         "= fresh with", "time with / without"],
+        [total_row(r) for r in results],
+    )
+    for r in results:
+        headers, rows = config_table(r)
+        report.text(f"**{r.cfg.name}** ({r.cfg.memory}); counts identical across repeats: {_yes(r.counts_stable())}; "
+                    f"manager: {_manager_summary(r.stats)}")
+        report.table(headers, rows)
+    for r in results:
+        report.figure(f"branching evaluated / ideal, {r.cfg.name} ({r.cfg.memory}): without -> with plugin",
+                      f"{fmt_ratio(ratio(sum(r.evaluated(WITHOUT)), sum(r.ideal)))} -> "
+                      f"{fmt_ratio(ratio(sum(r.evaluated(WITH)), sum(r.ideal)))}")
+    return report
+
+
+def _manager_summary(stats: dict[str, Any]) -> str:
+    keys = ("checkpoints_created", "checkpoints_restored", "cache_hits", "cache_saves", "forced_reprocess",
+            "tokens_reprocessed")
+    return ", ".join(f"{k}={stats[k]}" for k in keys)
+
+
+def run(quick: bool = False) -> Report:
+    repeats = 1 if quick else 3
+    results = [run_config(cfg, repeats) for cfg in CONFIGS]
+    return build_report(results, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one repeat")
+    print(run(parser.parse_args().quick).markdown())
+
+
+if __name__ == "__main__":
+    main()

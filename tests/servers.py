@@ -1,0 +1,81 @@
+"""Real HTTP servers for tests: ckpt-serve or plain llama_cpp.server as subprocesses on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, port: int, log: list[str]) -> None:
+        self.process = process
+        self.port = port
+        self.log = log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def metric(self, name: str, api_key: str | None = None) -> float:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(f"ckpt_{name}"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@contextlib.contextmanager
+def run_server(args: list[str], plain: bool = False, env: dict[str, str] | None = None,
+               timeout: float = 120.0) -> Iterator[Server]:
+    """Start ``ckpt-serve`` (or ``python -m llama_cpp.server`` if ``plain``) and wait until it answers."""
+    port = free_port()
+    module = "llama_cpp.server" if plain else "ckpt_plugin_integrations.llama_cpp_server"
+    command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--verbose", "false",
+               *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **(env or {})})
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(process.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    server = Server(process, port, log)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{''.join(log)}")
+            try:
+                if httpx.get(f"{server.url}/v1/models", timeout=2).status_code in (200, 401):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{''.join(log)}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def model_args(path: Any, **extra: Any) -> list[str]:
+    options = {"n_ctx": 2048, "n_batch": 64, "n_ubatch": 64, "n_threads": 2, "seed": 0, **extra}
+    args = ["--model", str(path)]
+    for key, value in options.items():
+        args += [f"--{key}", str(value)]
+    return args
