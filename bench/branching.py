@@ -12,7 +12,8 @@ Configurations: Gemma-3-270M with ``swa_full=False`` (sliding window 512), and t
 attention), mamba (recurrent), hybrid (LFM2), gemma3 (sliding window 32). Each runs side by side, request by request:
 WITH the plugin (``ckpt_plugin.attach``; counted by ``manager.counters.tokens_evaluated``), WITHOUT it (plain
 llama-cpp-python; counted by wrapping ``llama.eval`` on the instance), and a FRESH reference (``reset()`` before each
-request) whose answer each request is compared with. Both counts are cross-checked against the tokens actually passed
+request) whose answer each request is compared with. The three run one after the other in the same process (one
+model context open at a time), the whole sequence repeated with the order rotated. Both counts are cross-checked against the tokens actually passed
 to ``llama_decode``. Prompt tokens evaluated are the count at the first generated token.
 
 Run: ``.venv/bin/python bench/branching.py [--quick]``.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -164,20 +165,14 @@ class Runner:
         self.llama.close()
 
 
-def open_runners(cfg: ModelConfig) -> dict[str, Runner]:
-    path = cfg.path()
-    with_llama = open_llama(path, **cfg.options)
-    manager = ckpt_plugin.attach(with_llama, load_entrypoints=False)
-    with_counter = TokenCounter(with_llama, count_eval=False)
-    without_llama = open_llama(path, **cfg.options)
-    without_counter = TokenCounter(without_llama, count_eval=True)
-    fresh_llama = open_llama(path, **cfg.options)
-    fresh_counter = TokenCounter(fresh_llama, count_eval=True)
-    return {
-        WITH: Runner(WITH, with_llama, with_counter, lambda: manager.counters.tokens_evaluated, manager),
-        WITHOUT: Runner(WITHOUT, without_llama, without_counter, lambda: without_counter.evaluated),
-        FRESH: Runner(FRESH, fresh_llama, fresh_counter, lambda: fresh_counter.evaluated, reset_each=True),
-    }
+def open_runner(name: str, cfg: ModelConfig) -> Runner:
+    llama = open_llama(cfg.path(), **cfg.options)
+    if name == WITH:
+        manager = ckpt_plugin.attach(llama, load_entrypoints=False)
+        return Runner(name, llama, TokenCounter(llama, count_eval=False),
+                      lambda: manager.counters.tokens_evaluated, manager)
+    counter = TokenCounter(llama, count_eval=True)
+    return Runner(name, llama, counter, lambda: counter.evaluated, reset_each=name == FRESH)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -190,8 +185,8 @@ class ConfigResult:
     labels: list[str]
     prompt_lengths: list[int]
     ideal: list[int]
-    runs: list[dict[str, list[Served]]] = field(default_factory=list)  # one per repeat
-    stats: dict[str, Any] = field(default_factory=dict)
+    runs: list[dict[str, list[Served]]]  # one per repeat
+    stats: dict[str, Any]
 
     def served(self, runner: str) -> list[Served]:
         return self.runs[0][runner]
@@ -213,30 +208,45 @@ class ConfigResult:
         return [a.answer == f.answer for a, f in zip(self.served(runner), self.served(FRESH))]
 
 
-def run_once(cfg: ModelConfig) -> tuple[list[tuple[str, list[int]]], dict[str, list[Served]], dict[str, Any]]:
-    runners = open_runners(cfg)
+def serve_all(name: str, cfg: ModelConfig, prompts: list[list[int]]) -> tuple[list[Served], dict[str, Any]]:
+    """Serve every request on a new ``Llama`` of ``cfg`` (only one model context is open at a time: several
+    Gemma contexts alive in one process slowed each other's evaluation down by up to 5x on this machine)."""
+    runner = open_runner(name, cfg)
     try:
-        requests = branching_requests(runners[WITH].llama.token_bos(), cfg.vocab)
-        served: dict[str, list[Served]] = {name: [] for name in runners}
-        for _, prompt in requests:
-            for name, runner in runners.items():  # side by side, request by request
-                served[name].append(runner.serve(prompt))
-        manager = runners[WITH].manager
-        assert manager is not None
-        return requests, served, manager.stats()
+        served = [runner.serve(prompt) for prompt in prompts]
+        return served, runner.manager.stats() if runner.manager is not None else {}
     finally:
-        for runner in runners.values():
-            runner.close()
+        runner.close()
+
+
+def run_once(cfg: ModelConfig, prompts: list[list[int]], order: list[str]) -> tuple[dict[str, list[Served]], dict]:
+    served: dict[str, list[Served]] = {}
+    stats: dict[str, Any] = {}
+    for name in order:
+        served[name], runner_stats = serve_all(name, cfg, prompts)
+        stats.update(runner_stats)
+    return served, stats
+
+
+def bos_of(cfg: ModelConfig) -> int:
+    llama = open_llama(cfg.path(), **{**cfg.options, "vocab_only": True})
+    try:
+        return int(llama.token_bos())
+    finally:
+        llama.close()
 
 
 def run_config(cfg: ModelConfig, repeats: int) -> ConfigResult:
-    requests, served, stats = run_once(cfg)
+    requests = branching_requests(bos_of(cfg), cfg.vocab)
     prompts = [prompt for _, prompt in requests]
-    result = ConfigResult(cfg, [label for label, _ in requests], [len(p) for p in prompts],
-                          ideal_counts(prompts, [s.answer for s in served[FRESH]]), [served], stats)
-    for _ in range(repeats - 1):
-        result.runs.append(run_once(cfg)[1])
-    return result
+    names = [WITH, WITHOUT, FRESH]
+    runs, stats = [], {}
+    for i in range(repeats):
+        order = names[i % 3:] + names[: i % 3]  # rotate which configuration runs first
+        served, stats = run_once(cfg, prompts, order)
+        runs.append(served)
+    ideal = ideal_counts(prompts, [s.answer for s in runs[0][FRESH]])
+    return ConfigResult(cfg, [label for label, _ in requests], [len(p) for p in prompts], ideal, runs, stats)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -286,7 +296,9 @@ def build_report(results: list[ConfigResult], repeats: int) -> Report:
         "'without' by a wrapper of `llama.eval`, both cross-checked against the tokens passed to `llama_decode`. "
         "'= fresh': the answer equals that of a reference `Llama` reset before the request (information only: "
         "Gemma Q4_K_M logits depend slightly on how the prompt is split into batches). With plugin, without and fresh "
-        f"run side by side, request by request; times are medians of {repeats} repeat(s) of the whole sequence."
+        "run one after the other in the same process, one model context open at a time (several Gemma contexts "
+        "alive at once slowed each other down by up to 5x here); the whole sequence is repeated "
+        f"{repeats} time(s) with the order rotated, and times are medians over the repeats."
     )
     report.table(
         ["model", "memory", "ideal", "without", "without / ideal", "with", "with / ideal", "= fresh without",

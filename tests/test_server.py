@@ -8,6 +8,8 @@ import sys
 from typing import Any
 
 import httpx
+
+HTTP = httpx.Client(timeout=120)
 import openai
 import pytest
 
@@ -23,7 +25,7 @@ USER_TURNS = ["hello world", "and then the dog", "what is it", "one more time"]
 
 
 def client(server: Any, api_key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=300)
 
 
 def chat(c: openai.OpenAI, messages: list[dict[str, str]]) -> Any:
@@ -104,34 +106,34 @@ def test_tenants_never_hit_each_other(tiny_model: Any) -> None:
 
 def test_admin_routes_off_by_default_and_protected_by_the_api_key(tiny_model: Any) -> None:
     with run_server(model_args(tiny_model("llama"))) as ours:
-        response = httpx.get(f"{ours.url}/checkpoints")
+        response = HTTP.get(f"{ours.url}/checkpoints")
         assert response.status_code == 404 and "error" in response.json()
     args = model_args(tiny_model("llama")) + ["--api_key", "secret", "--checkpoint-admin", "true"]
     with run_server(args) as ours:
         chat(client(ours, "secret"), [{"role": "user", "content": "hello"}])
-        assert httpx.get(f"{ours.url}/checkpoints").status_code == 401
-        assert httpx.get(f"{ours.url}/metrics").status_code == 401
+        assert HTTP.get(f"{ours.url}/checkpoints").status_code == 401
+        assert HTTP.get(f"{ours.url}/metrics").status_code == 401
         auth = {"Authorization": "Bearer secret"}
-        view = httpx.get(f"{ours.url}/checkpoints", headers=auth).json()
+        view = HTTP.get(f"{ours.url}/checkpoints", headers=auth).json()
         assert "models" in view and view["models"]
-        assert httpx.get(f"{ours.url}/checkpoints/stats", headers=auth).json()["models"]
-        assert "ckpt_tokens_evaluated_total" in httpx.get(f"{ours.url}/metrics", headers=auth).text
-        assert httpx.post(f"{ours.url}/checkpoints", headers=auth).status_code == 405
-        assert httpx.delete(f"{ours.url}/checkpoints", headers=auth).status_code == 200
+        assert HTTP.get(f"{ours.url}/checkpoints/stats", headers=auth).json()["models"]
+        assert "ckpt_tokens_evaluated_total" in HTTP.get(f"{ours.url}/metrics", headers=auth).text
+        assert HTTP.post(f"{ours.url}/checkpoints", headers=auth).status_code == 405
+        assert HTTP.delete(f"{ours.url}/checkpoints", headers=auth).status_code == 200
 
 
 def test_bad_requests_get_json_errors_and_leave_the_slot_intact(tiny_model: Any) -> None:
     with run_server(model_args(tiny_model("llama"))) as ours:
         messages = [{"role": "system", "content": SYSTEM[2]}, {"role": "user", "content": "hello"}]
         first = chat(client(ours), messages).choices[0].message.content
-        bad = httpx.post(f"{ours.url}/v1/chat/completions", content=b"{not json",
+        bad = HTTP.post(f"{ours.url}/v1/chat/completions", content=b"{not json",
                          headers={"Content-Type": "application/json"})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
-        wrong = httpx.post(f"{ours.url}/v1/chat/completions", json={"messages": "nope"})
+        wrong = HTTP.post(f"{ours.url}/v1/chat/completions", json={"messages": "nope"})
         assert wrong.status_code == 422 and "messages" in wrong.json()["error"]["message"]
-        not_object = httpx.post(f"{ours.url}/v1/completions", json=[1, 2])
+        not_object = HTTP.post(f"{ours.url}/v1/completions", json=[1, 2])
         assert not_object.status_code == 400
-        missing = httpx.get(f"{ours.url}/no/such/route")
+        missing = HTTP.get(f"{ours.url}/no/such/route")
         assert missing.status_code == 404 and missing.json()
         assert chat(client(ours), messages).choices[0].message.content == first
 
@@ -163,5 +165,5 @@ def test_multi_model_config_keeps_caches_per_model(tiny_model: Any, tmp_path: An
             response = c.chat.completions.create(model=alias, messages=messages, max_tokens=3, temperature=0)
         # the last request is the second one on "swa": warm from its own cache after the model was reloaded
         assert response.usage.prompt_tokens_details.cached_tokens > 50
-        view = httpx.get(f"{ours.url}/checkpoints").json()["models"]
+        view = HTTP.get(f"{ours.url}/checkpoints").json()["models"]
         assert list(view) == ["swa"] and view["swa"]["memory_kind"] == "swa"
