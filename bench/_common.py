@@ -119,10 +119,15 @@ def allocated_peak(fn: Callable[[], Any]) -> int:
             tracemalloc.stop()
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
+def rss_anon_bytes() -> int:
+    """Anonymous resident memory of this process: ``RssAnon + RssShmem`` (Python's ``mmap.mmap(-1, n)`` is a shared
+    anonymous mapping, counted in ``RssShmem``); the memory-mapped model file (``RssFile``) is left out."""
+    total = 0
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 def buffer_address(buffer: np.ndarray) -> int:
@@ -159,13 +164,22 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Figure:
+    """A key figure of a benchmark: what it is, the measured value, and the goal from BENCH.md if there is one."""
+
+    name: str
+    value: str
+    goal: str = ""
+
+
 @dataclass
 class Report:
     """A benchmark's result: markdown paragraphs and tables, plus the key figures for the summary."""
 
     title: str
     parts: list[str] = field(default_factory=list)
-    figures: dict[str, str] = field(default_factory=dict)
+    figures: list[Figure] = field(default_factory=list)
 
     def text(self, paragraph: str) -> None:
         self.parts.append(paragraph.strip())
@@ -173,8 +187,8 @@ class Report:
     def table(self, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         self.parts.append(markdown_table(headers, rows))
 
-    def figure(self, name: str, value: str) -> None:
-        self.figures[name] = value
+    def figure(self, name: str, value: str, goal: str = "") -> None:
+        self.figures.append(Figure(name, value, goal))
 
     def markdown(self, level: int = 2) -> str:
         return "\n\n".join([f"{'#' * level} {self.title}", *self.parts]) + "\n"

@@ -43,6 +43,7 @@ from _common import (
     open_gemma,
     random_prompt,
     ratio,
+    rss_anon_bytes,
 )
 
 PROMPT_TOKENS = 1500
@@ -202,17 +203,21 @@ def measure_host_state(c: Context, repeats: int) -> dict[str, Samples]:
 @dataclass(frozen=True)
 class MemoryRow:
     operation: str
-    allocated: int
-    copied: int | None
     state_bytes: int
+    allocated: int
+    rss_growth: int
+    copied: int | None
 
 
-def _copied_by(manager: ckpt_plugin.CheckpointManager, fn: Callable[[], object]) -> tuple[int, int]:
-    """``(peak bytes allocated, state bytes the manager copied)`` while ``fn`` runs."""
-    counters = manager.counters
-    before = counters.bytes_captured + counters.bytes_restored
-    allocated = allocated_peak(fn)
-    return allocated, counters.bytes_captured + counters.bytes_restored - before
+def probe(operation: str, state_bytes: int, fn: Callable[[], object],
+          copied: Callable[[object], int | None]) -> MemoryRow:
+    """Peak bytes allocated during ``fn`` (tracemalloc), anonymous RSS growth with its result still alive, and the
+    state bytes copied (``copied(result)``, evaluated after the call)."""
+    held: list[object] = []
+    rss = rss_anon_bytes()
+    allocated = allocated_peak(lambda: held.append(fn()))
+    growth = rss_anon_bytes() - rss
+    return MemoryRow(operation, state_bytes, allocated, growth, copied(held[0]))
 
 
 def measure_memory(c: Context) -> list[MemoryRow]:
@@ -220,40 +225,45 @@ def measure_memory(c: Context) -> list[MemoryRow]:
     checkpoint = m.checkpoint()
     entry = m.save()
     assert checkpoint is not None
-    rows = []
-    manager_ops: list[tuple[str, Callable[[], object], int]] = [
-        ("manager.checkpoint() (partial)", m.checkpoint, c.partial_bytes),
-        ("manager._capture(partial=False)", lambda: m._capture(partial=False), c.full_bytes),
-        ("manager.save() (changed slot)", lambda: save_changed(m), c.full_bytes),
-        ("manager.save() (unchanged slot)", m.save, c.full_bytes),
-        ("manager._restore(checkpoint) (partial)", lambda: m._restore(checkpoint), c.partial_bytes),
-        ("manager.load(entry) (full)", lambda: m.load(entry), c.full_bytes),
+    counters = m.counters
+
+    def by_manager(fn: Callable[[], object]) -> tuple[Callable[[], object], Callable[[object], int]]:
+        before: list[int] = []
+
+        def run() -> object:
+            before.append(counters.bytes_captured + counters.bytes_restored)
+            return fn()
+
+        return run, lambda _: counters.bytes_captured + counters.bytes_restored - before[0]
+
+    def by_raw(fn: Callable[[], int]) -> tuple[Callable[[], object], Callable[[object], int]]:
+        return fn, lambda written: int(written)  # type: ignore[arg-type]
+
+    ops: list[tuple[str, int, tuple[Callable[[], object], Callable[[object], int | None]]]] = [
+        ("manager.checkpoint() (partial)", c.partial_bytes, by_manager(m.checkpoint)),
+        ("manager._capture(partial=False)", c.full_bytes, by_manager(lambda: m._capture(partial=False))),
+        ("manager.save() (changed slot)", c.full_bytes, by_manager(lambda: save_changed(m))),
+        ("manager.save() (unchanged slot)", c.full_bytes, by_manager(m.save)),
+        ("manager._restore(checkpoint) (partial)", c.partial_bytes, by_manager(lambda: m._restore(checkpoint))),
+        ("manager.load(entry) (full)", c.full_bytes, by_manager(lambda: m.load(entry))),
+        ("raw get partial, preallocated buffer", c.partial_bytes,
+         by_raw(raw_get(c.ctx, warm_buffer(c.partial_bytes), True))),
+        ("raw set partial, same buffer", c.partial_bytes, by_raw(raw_set(c.ctx, checkpoint.target, True))),
+        ("raw get full, preallocated buffer", c.full_bytes, by_raw(raw_get(c.ctx, warm_buffer(c.full_bytes), False))),
+        ("raw set full, same buffer", c.full_bytes, by_raw(raw_set(c.ctx, entry.state.target, False))),
     ]
-    for name, fn, size in manager_ops:
-        allocated, copied = _copied_by(m, fn)
-        rows.append(MemoryRow(name, allocated, copied, size))
-    raw_ops = [
-        ("raw get partial, preallocated buffer", raw_get(c.ctx, warm_buffer(c.partial_bytes), True), c.partial_bytes),
-        ("raw set partial, same buffer", raw_set(c.ctx, checkpoint.target, True), c.partial_bytes),
-        ("raw get full, preallocated buffer", raw_get(c.ctx, warm_buffer(c.full_bytes), False), c.full_bytes),
-        ("raw set full, same buffer", raw_set(c.ctx, entry.state.target, False), c.full_bytes),
-    ]
-    for name, fn, size in raw_ops:
-        written: list[int] = []
-        allocated = allocated_peak(lambda: written.append(fn()))
-        rows.append(MemoryRow(name, allocated, written[0], size))
+    rows = [probe(name, size, fn, copied) for name, size, (fn, copied) in ops]
     host_size = int(llama_cpp.llama_state_get_size(c.ctx))
-    held: dict[str, Any] = {}
-    allocated = allocated_peak(lambda: held.update(state=Llama.save_state(c.llama)))
-    rows.append(MemoryRow("Llama.save_state()", allocated, None, host_size))
-    allocated = allocated_peak(lambda: Llama.load_state(c.llama, held["state"]))
-    rows.append(MemoryRow("Llama.load_state(state)", allocated, None, host_size))
-    return rows
+    saved = probe("Llama.save_state()", host_size, lambda: Llama.save_state(c.llama), lambda _: None)
+    state = Llama.save_state(c.llama)
+    loaded = probe("Llama.load_state(state)", host_size, lambda: Llama.load_state(c.llama, state), lambda _: None)
+    return rows + [saved, loaded]
 
 
-def fresh_pages(n_bytes: int, kept: list, hugepages: bool = False) -> np.ndarray:
-    """A buffer on pages never touched before (a new anonymous mapping, kept alive in ``kept``)."""
-    mapping = mmap.mmap(-1, n_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def fresh_pages(n_bytes: int, kept: list, hugepages: bool = False, shared: bool = False) -> np.ndarray:
+    """A buffer on pages never touched before (a new anonymous mapping, kept alive in ``kept``); ``shared`` makes it
+    ``MAP_SHARED`` like ``mmap.mmap(-1, n)``'s default."""
+    mapping = mmap.mmap(-1, n_bytes, flags=(mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | mmap.MAP_ANONYMOUS)
     if hugepages:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     buffer = np.frombuffer(mapping, dtype=np.uint8)
@@ -276,6 +286,9 @@ def measure_first_touch(c: Context, repeats: int) -> dict[str, Samples]:
         "raw get partial, fresh mmap pages": lambda: raw_get(c.ctx, fresh_pages(n_bytes, kept), True)(),
         "raw get partial, fresh mmap pages + MADV_HUGEPAGE": lambda: raw_get(
             c.ctx, fresh_pages(n_bytes, kept, hugepages=True), True
+        )(),
+        "raw get partial, fresh MAP_SHARED mmap pages": lambda: raw_get(
+            c.ctx, fresh_pages(n_bytes, kept, shared=True), True
         )(),
         "raw get partial, preallocated buffer": raw_get(c.ctx, warm, True),
         "fill fresh mmap pages": lambda: fresh_pages(n_bytes, kept).fill(1),
@@ -344,17 +357,22 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
         "Llama.save_state()": "manager.save() (changed slot)",
         "Llama.load_state(state)": "manager.load(entry)",
     }))
-    report.text("**Bytes per operation** (allocated: tracemalloc peak during the call; copied: state bytes the "
-                "manager's counters saw, or the bytes the raw call wrote/read)")
+    report.text("**Bytes per operation**, one call each after the tables above. 'allocated': tracemalloc peak during "
+                "the call (numpy, ctypes and `bytes` buffers; not raw `mmap`s); 'RSS growth': anonymous resident "
+                "memory gained with the call's result still alive (fresh pages touched); 'copied': state bytes the "
+                "manager's counters saw (`bytes_captured + bytes_restored`), or the bytes the raw call wrote/read. "
+                "One copy of the state per capture or restore is llama.cpp's own serialization, which the raw call "
+                "makes too; anything above is an extra copy.")
     report.table(
-        ["operation", "state bytes", "allocated", "allocated / state", "copied", "copies of the state"],
+        ["operation", "state bytes", "allocated", "allocated / state", "RSS growth", "copied", "copies of the state"],
         [[r.operation, fmt_bytes(r.state_bytes), fmt_bytes(r.allocated), f"{ratio(r.allocated, r.state_bytes):.2f}",
-          "n/a" if r.copied is None else fmt_bytes(r.copied),
+          fmt_bytes(r.rss_growth), "n/a" if r.copied is None else fmt_bytes(r.copied),
           "n/a" if r.copied is None else f"{ratio(r.copied, r.state_bytes):.2f}"] for r in memory],
     )
     report.text(f"**First touch of fresh pages** ({fmt_bytes(c.partial_bytes)}; growth phase, measured first: the "
                 "checkpoint limit is lifted and nothing is freed). Whether `np.empty` hands out fresh pages depends on "
-                "what the allocator got back before; new anonymous mappings are always fresh. NumPy itself asks for "
+                "what the allocator got back before; new anonymous mappings (private unless marked MAP_SHARED) are always "
+                "fresh. NumPy itself asks for "
                 "transparent huge pages (`madvise(MADV_HUGEPAGE)`) on allocations of 4 MB and more; this kernel's THP "
                 f"setting is `{thp_setting()}`.")
     warm_get = "raw get partial, preallocated buffer"
@@ -363,6 +381,7 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
         "raw get partial, fresh np.empty (all kept)": warm_get,
         "raw get partial, fresh mmap pages": warm_get,
         "raw get partial, fresh mmap pages + MADV_HUGEPAGE": warm_get,
+        "raw get partial, fresh MAP_SHARED mmap pages": warm_get,
         "fill fresh mmap pages": "fill a reused buffer",
         "fill fresh mmap pages + MADV_HUGEPAGE": "fill a reused buffer",
     }))
@@ -379,7 +398,19 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
         "steady state of the capture table) and far above it whenever a growing slot or cache gets fresh pages."
     )
     _add_figures(report, capture, restore, host, touch)
+    _add_copy_figures(report, memory)
     return report
+
+
+def _add_copy_figures(report: Report, memory: list[MemoryRow]) -> None:
+    def extra(prefixes: tuple[str, ...]) -> str:
+        rows = [r for r in memory if r.operation.startswith(prefixes) and r.copied is not None]
+        worst = max(r.copied / r.state_bytes - 1 for r in rows if "unchanged" not in r.operation)
+        return f"{max(worst, 0.0):.2f}"
+
+    report.figure("extra state copies per save (checkpoint, capture, save) / per restore (restore, load)",
+                  f"{extra(('manager.checkpoint', 'manager._capture', 'manager.save'))} / "
+                  f"{extra(('manager._restore', 'manager.load'))}", "0")
 
 
 def thp_setting() -> str:
@@ -399,8 +430,8 @@ def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str,
     def r(samples: dict[str, Samples], a: str, b: str) -> str:
         return fmt_ratio(ratio(samples[a].median, samples[b].median))
 
-    report.figure("checkpoint create / raw get (partial, preallocated buffer)",
-                  r(capture, "manager.checkpoint() (partial)", "raw get partial, preallocated buffer"))
+    report.figure("checkpoint create / raw get (partial, preallocated buffer), steady state",
+                  r(capture, "manager.checkpoint() (partial)", "raw get partial, preallocated buffer"), "<= 1.15")
     report.figure("checkpoint create / raw get into a fresh np.empty (partial)",
                   r(capture, "manager.checkpoint() (partial)", "raw get partial, fresh np.empty"))
     report.figure("full capture (_capture) / raw get (full)",
@@ -408,13 +439,13 @@ def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str,
     report.figure("save() on a changed slot / raw get (full)",
                   r(capture, "manager.save() (changed slot)", "raw get full, preallocated buffer"))
     report.figure("restore (partial checkpoint) / raw set",
-                  r(restore, "manager._restore(checkpoint) (partial)", "raw set partial, same buffer"))
+                  r(restore, "manager._restore(checkpoint) (partial)", "raw set partial, same buffer"), "<= 1.15")
     report.figure("load(entry) (full) / raw set",
-                  r(restore, "manager.load(entry) (full)", "raw set full, same buffer"))
+                  r(restore, "manager.load(entry) (full)", "raw set full, same buffer"), "<= 1.15")
     report.figure("Llama.save_state() / manager.save()", r(host, "Llama.save_state()", "manager.save() (changed slot)"))
     report.figure("Llama.load_state() / manager.load()", r(host, "Llama.load_state(state)", "manager.load(entry)"))
     report.figure("checkpoint create, growing slot (limit lifted) / raw get (preallocated)",
-                  r(touch, "manager.checkpoint(), limit lifted", "raw get partial, preallocated buffer"))
+                  r(touch, "manager.checkpoint(), limit lifted", "raw get partial, preallocated buffer"), "<= 1.15")
     report.figure("raw get into fresh 4 kB pages / into a preallocated buffer",
                   r(touch, "raw get partial, fresh mmap pages", "raw get partial, preallocated buffer"))
     report.figure("raw get into fresh MADV_HUGEPAGE pages / into a preallocated buffer",

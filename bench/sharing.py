@@ -36,6 +36,7 @@ from _common import (
     random_prompt,
     random_tokens,
     ratio,
+    rss_anon_bytes,
 )
 
 SYSTEM_TOKENS = 1000
@@ -62,6 +63,7 @@ class Accounting:
     resident: int
     unique: int
     traced_alive: int | None = None
+    rss_growth: int | None = None
 
 
 def account(manager: ckpt_plugin.CheckpointManager, extra_holders: list[list[np.ndarray]] = ()) -> Accounting:
@@ -78,17 +80,28 @@ class Session:
     branches: list[list[int]]
 
 
+def warm_up(llama: Any, rng: np.random.Generator) -> None:
+    """Evaluate one full batch before attaching, then empty the memory, so that llama.cpp's compute buffers are
+    resident before the memory figures are taken."""
+    llama.eval(random_prompt(rng, int(llama.n_batch), GEMMA_VOCAB, llama.token_bos()))
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llama.ctx), True)
+    llama.reset()
+
+
 def open_session(n_branches: int) -> Session:
     rng = np.random.default_rng(1)
     llama = open_gemma()
+    warm_up(llama, rng)
     manager = ckpt_plugin.attach(llama, load_entrypoints=False)
     system = random_prompt(rng, SYSTEM_TOKENS, GEMMA_VOCAB, llama.token_bos())
     branches = [system + random_tokens(rng, TURN_TOKENS, GEMMA_VOCAB) for _ in range(n_branches)]
     return Session(llama, manager, branches)
 
 
-def run_branches(session: Session) -> int:
-    """Serve every branch; return the bytes still allocated afterwards that were allocated meanwhile (tracemalloc)."""
+def run_branches(session: Session) -> tuple[int, int]:
+    """Serve every branch; return the bytes allocated meanwhile and still allocated (tracemalloc), and the growth of
+    anonymous resident memory."""
+    rss = rss_anon_bytes()
     tracemalloc.start()
     try:
         base, _ = tracemalloc.get_traced_memory()
@@ -96,9 +109,9 @@ def run_branches(session: Session) -> int:
             greedy(session.llama, prompt)
         session.manager.save_to_cache()  # the last branch too
         alive, _ = tracemalloc.get_traced_memory()
-        return alive - base
     finally:
         tracemalloc.stop()
+    return alive - base, rss_anon_bytes() - rss
 
 
 def share_handles(session: Session, k: int) -> tuple[list[Any], int]:
@@ -122,10 +135,14 @@ def entry_rows(manager: ckpt_plugin.CheckpointManager) -> list[list[str]]:
     return rows
 
 
+def _maybe_bytes(n: int | None) -> str:
+    return "n/a" if n is None else fmt_bytes(n)
+
+
 def accounting_row(name: str, a: Accounting) -> list[str]:
     return [name, str(a.holders), fmt_bytes(a.referenced), fmt_bytes(a.resident), fmt_bytes(a.unique),
-            "n/a" if a.traced_alive is None else fmt_bytes(a.traced_alive),
-            f"{ratio(a.resident, a.unique):.2f}", fmt_ratio(ratio(a.referenced, a.resident))]
+            _maybe_bytes(a.traced_alive), _maybe_bytes(a.rss_growth), f"{ratio(a.resident, a.unique):.2f}",
+            fmt_ratio(ratio(a.referenced, a.resident))]
 
 
 def run(quick: bool = False) -> Report:
@@ -133,9 +150,10 @@ def run(quick: bool = False) -> Report:
     session = open_session(k)
     try:
         manager = session.manager
-        alive = run_branches(session)
+        alive, rss_growth = run_branches(session)
         cache_view = account(manager)
         cache_view.traced_alive = alive
+        cache_view.rss_growth = rss_growth
         handles, captured = share_handles(session, k)
         handle_buffers = [list(h.entry.buffers()) for h in handles]
         with_handles = account(manager, handle_buffers)
@@ -156,17 +174,23 @@ def build_report(k: int, manager: ckpt_plugin.CheckpointManager, cache_view: Acc
         f"the previous branch into the prompt cache, and the last one is saved at the end. Then {k} host "
         "`save_state()` handles of the live state are taken. 'referenced' counts each buffer once per holder (what "
         "copies would cost), 'resident' is `manager.stats()['resident_bytes']`, 'unique' is counted here by "
-        "deduplicating buffer addresses, 'alive (traced)' is what tracemalloc saw allocated during the requests and "
-        "still allocated after them (numpy buffers included; state buffers, token arrays and Python objects)."
+        "deduplicating buffer addresses, 'alive (tracemalloc)' is what tracemalloc saw allocated during the requests "
+        "and still allocated after them (numpy heap buffers, token arrays, Python objects; it does not see raw "
+        "`mmap`s), 'RSS growth' is the growth of the process's anonymous resident memory (`RssAnon + RssShmem`) "
+        "over the requests (llama.cpp's buffers were made resident by a warm-up batch before)."
     )
     report.table(
-        ["holders", "n", "referenced", "resident", "unique (by address)", "alive (traced)", "resident / unique",
-         "referenced / resident"],
+        ["holders", "n", "referenced", "resident", "unique (by address)", "alive (tracemalloc)", "RSS growth",
+         "resident / unique", "referenced / resident"],
         [accounting_row("slot + cache entries", cache_view),
          accounting_row(f"... + {k} save_state() handles", with_handles)],
     )
     report.text("Cache entries (oldest first): bytes shared with another entry vs own:")
     report.table(["entry", "tokens", "checkpoints", "bytes", "shared", "own"], entry_rows(manager))
+    pool = getattr(ckpt_plugin.checkpoint, "DEFAULT_POOL", None)
+    if pool is not None and cache_view.rss_growth is not None:
+        report.text(f"Of the RSS growth, {fmt_bytes(pool.free_bytes)} are freed state buffers the plugin's "
+                    "`StateBufferPool` keeps mapped for reuse (not referenced by any holder).")
     copying = k * (host_state + logits)
     report.text(
         f"State bytes captured while taking the {k} `save_state()` handles: {fmt_bytes(captured)}. For comparison "
@@ -177,13 +201,13 @@ def build_report(k: int, manager: ckpt_plugin.CheckpointManager, cache_view: Acc
     )
     report.figure("resident / unique bytes (slot + cache; + handles)",
                   f"{ratio(cache_view.resident, cache_view.unique):.2f}; "
-                  f"{ratio(with_handles.resident, with_handles.unique):.2f}")
+                  f"{ratio(with_handles.resident, with_handles.unique):.2f}", "1.00")
     report.figure("referenced / resident bytes (slot + cache; + handles)",
                   f"{fmt_ratio(ratio(cache_view.referenced, cache_view.resident))}; "
                   f"{fmt_ratio(ratio(with_handles.referenced, with_handles.resident))}")
-    report.figure("bytes alive after the session (tracemalloc) / resident bytes",
-                  f"{ratio(cache_view.traced_alive or 0, cache_view.resident):.2f}")
-    report.figure(f"state bytes copied by {k} save_state() shares", fmt_bytes(captured))
+    report.figure("RSS growth over the session / resident bytes",
+                  f"{ratio(cache_view.rss_growth or 0, cache_view.resident):.2f}")
+    report.figure(f"state bytes copied by {k} save_state() shares", fmt_bytes(captured), "0")
     return report
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+# Tests share 2 cores with other processes; spinning OpenMP workers then starve each other (seconds per decode).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pathlib
 from typing import Any, Callable, Iterator
 
-import pytest
+import pytest  # noqa: E402
 
 from ckpt_plugin.testing import tiny_model  # noqa: F401  (fixture, also provided by the pytest11 entry point)
 

@@ -1,0 +1,220 @@
+"""Run every benchmark of this directory and write ``docs/benchmarks.md``.
+
+Run: ``.venv/bin/python bench/run_all.py`` (several minutes) or ``--quick`` (fewer repeats); ``--only micro`` (repeatable)
+runs a subset; ``--output PATH`` writes elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import branching
+import lookup
+import micro
+import sharing
+from _common import Report, fmt_ms, markdown_table
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUTPUT = ROOT / "docs" / "benchmarks.md"
+BENCHES: dict[str, Callable[[bool], Report]] = {
+    "micro": micro.run,
+    "lookup": lookup.run,
+    "sharing": sharing.run,
+    "branching": branching.run,
+}
+
+# ---------------------------------------------------------------------------------------------------------------------
+# machine load: the machine is shared, so say how much of it other processes used while each benchmark ran
+
+
+class CpuShare:
+    """CPU time used by other processes over an interval, as a fraction of the machine's capacity."""
+
+    _BUSY = (0, 1, 2, 5, 6, 7)  # user, nice, system, irq, softirq, steal
+
+    @staticmethod
+    def _machine() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            ticks = [int(v) for v in stat.readline().split()[1:]]
+        return sum(ticks[i] for i in CpuShare._BUSY if i < len(ticks)), sum(ticks[:8])
+
+    @staticmethod
+    def _own_ticks() -> float:
+        t = os.times()
+        return (t.user + t.system + t.children_user + t.children_system) * os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> CpuShare:
+        self._busy, self._total = self._machine()
+        self._own = self._own_ticks()
+        self.others = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy, total = self._machine()
+        others = (busy - self._busy) - (self._own_ticks() - self._own)
+        self.others = max(0.0, others / max(total - self._total, 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# run
+
+
+@dataclass
+class Section:
+    name: str
+    report: Report | None
+    seconds: float
+    others_cpu: float
+    error: str = ""
+
+
+def run_bench(name: str, quick: bool) -> Section:
+    print(f"== {name} ...", flush=True)
+    started = time.perf_counter()
+    with CpuShare() as share:
+        try:
+            report, error = BENCHES[name](quick), ""
+        except Exception:  # noqa: BLE001 - a failing benchmark is reported, the others still run
+            report, error = None, traceback.format_exc()
+    section = Section(name, report, time.perf_counter() - started, share.others, error)
+    print(report.markdown() if report else error, flush=True)
+    return section
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# environment
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def memory_total() -> str:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    return "unknown"
+
+
+def environment() -> list[tuple[str, str]]:
+    import llama_cpp
+    import numpy
+
+    import ckpt_plugin
+
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = _git("status", "--porcelain", "--", "ckpt_plugin")
+    changed = ", ".join(line[3:] for line in dirty.splitlines()) if dirty else "none"
+    return [
+        ("CPUs (nproc)", str(len(os.sched_getaffinity(0)))),
+        ("CPU model", cpu_model()),
+        ("memory", memory_total()),
+        ("kernel", platform.release()),
+        ("transparent huge pages", micro.thp_setting()),
+        ("python", platform.python_version()),
+        ("llama-cpp-python", llama_cpp.__version__),
+        ("llama.cpp system info", llama_cpp.llama_print_system_info().decode().strip().rstrip("|").strip()),
+        ("numpy", numpy.__version__),
+        ("ckpt_plugin", f"{ckpt_plugin.__version__} (git {commit}; uncommitted changes in ckpt_plugin/: {changed})"),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# markdown
+
+INTRO = """\
+# Benchmarks
+
+Generated by `bench/run_all.py`; do not edit by hand. Workloads and goals: BENCH.md (`/work/shared/BENCH.md`).
+The machine is small and shared, so every figure is a ratio of two things measured side by side in the same run
+(cases of a comparison run in interleaved rounds, medians over the rounds); absolute times are only context. The
+share of the machine's CPU time that other processes used while each benchmark ran is listed below: under load the
+absolute times grow and the ratios get noisier."""
+
+PLACEHOLDERS = """\
+## Interleaved chat
+
+> **Placeholder: not part of this run.** K users x T turns through the real HTTP servers (TTFT, prompt tokens
+> evaluated per request, `llama_cpp.server` with and without its RAM cache, the project's server, C++ `llama-server`)
+> are measured by the server benchmark (`bench/chat.py`), not by `bench/run_all.py` yet.
+
+## Speculative
+
+> **Placeholder: not part of this run.** Tokens/s and acceptance rate with and without checkpoint restore of the draft
+> model are measured by the speculative benchmark, not by `bench/run_all.py` yet.
+"""
+
+
+def summary(sections: list[Section]) -> str:
+    rows = []
+    for section in sections:
+        if section.report is None:
+            rows.append([section.name, "FAILED (see below)", "", ""])
+            continue
+        for figure in section.report.figures:
+            rows.append([section.name, figure.name, figure.value, figure.goal])
+    return markdown_table(["benchmark", "figure", "measured (this run)", "goal (BENCH.md)"], rows)
+
+
+def render(sections: list[Section], command: str, quick: bool, started: datetime.datetime, seconds: float) -> str:
+    env_rows = [[k, v] for k, v in environment()]
+    load_rows = [[s.name, fmt_ms(s.seconds), f"{s.others_cpu:.0%}"] for s in sections]
+    parts = [
+        INTRO,
+        "## This run",
+        f"Command: `{command}`{' (quick: fewer repeats)' if quick else ''}; started {started:%Y-%m-%d %H:%M} UTC, "
+        f"took {fmt_ms(seconds)}.",
+        markdown_table(["", ""], env_rows),
+        markdown_table(["benchmark", "wall time", "CPU used by other processes"], load_rows),
+        "## Key figures",
+        summary(sections),
+    ]
+    for section in sections:
+        if section.report is not None:
+            parts.append(section.report.markdown().rstrip())
+        else:
+            parts.append(f"## {section.name}: FAILED\n\n```\n{section.error.rstrip()}\n```")
+    parts.append(PLACEHOLDERS.rstrip())
+    return "\n\n".join(parts) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Run the benchmarks and write docs/benchmarks.md.")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--only", action="append", choices=sorted(BENCHES), help="run only this benchmark")
+    parser.add_argument("--output", type=pathlib.Path, default=OUTPUT, help="markdown file to write")
+    args = parser.parse_args()
+    started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+    sections = [run_bench(name, args.quick) for name in (args.only or list(BENCHES))]
+    command = " ".join([".venv/bin/python", "bench/run_all.py", *sys.argv[1:]])
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(render(sections, command, args.quick, started, time.perf_counter() - t0))
+    print(f"wrote {args.output}")
+    return 1 if any(s.report is None for s in sections) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,692 @@
+"""The versioned on-disk format of slot files and disk-tier cache entries (see ``docs/persistence-format.md``).
+
+A file holds one :class:`~ckpt_plugin.cache.CacheEntry`: the model fingerprint, the namespace, the tokens, the full
+state and the checkpoints of its lineage, each state record with its target / draft / speculative blobs. Blob
+payloads start on 64-byte boundaries, so a reader maps the file and hands the state buffers to llama.cpp straight
+from the page cache: :func:`read_entry` returns read-only numpy views into a read-only ``mmap``, no copy.
+
+Safety rules (DESIGN.md section 5):
+
+- nothing is unpickled; the file is parsed field by field and every length is checked against the bytes left before
+  anything is sliced, mapped as an array or allocated, so allocations never depend on a length field;
+- a BLAKE2b digest in the header covers the header, one in the trailer covers everything before it; truncation and
+  corruption raise :class:`CorruptFileError` (with the offset), never an ``IndexError``/``struct.error``/...;
+- the fingerprint is checked: another model's state raises :class:`~ckpt_plugin.errors.IncompatibleStateError`;
+- writes are atomic (temporary file in the same directory, ``fsync``, ``os.replace``, directory ``fsync``): a crash
+  mid-write leaves the earlier file intact, and a file is never modified in place, so a mapped file stays valid;
+- client-supplied file names go through :func:`safe_path` (plain names only, no symlink escape).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import re
+import stat
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import numpy as np
+
+from .cache import CacheEntry
+from .checkpoint import Checkpoint
+from .errors import CheckpointError, IncompatibleStateError
+
+__all__ = [
+    "ALIGNMENT",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_RECORDS",
+    "CorruptFileError",
+    "EntryHeader",
+    "UnsafePathError",
+    "iter_entry_files",
+    "read_entry",
+    "read_header",
+    "remove_stale_temp_files",
+    "safe_path",
+    "write_entry",
+]
+
+MAGIC = b"CKPTSLOT"
+"""First 8 bytes of every file."""
+END_MAGIC = b"CKPT_END"
+"""Last 8 bytes of every completely written file."""
+FORMAT_VERSION = (1, 0)
+"""(major, minor) written by this module. Readers refuse another major version; minor versions only add optional
+file flags (bits 16-31), which older readers ignore."""
+ALIGNMENT = 64
+"""Tokens, records and blob payloads start at multiples of this offset (and so of the mapping's address)."""
+MAX_TEXT_BYTES = 4096
+"""Largest fingerprint or namespace, in UTF-8 bytes."""
+MAX_RECORDS = 4096
+"""Most state records in a file (the full state plus checkpoints); bounds the reader's per-record object overhead."""
+DIGEST_SIZE = 32
+"""BLAKE2b digest size of the header and of the whole file."""
+TEMP_PREFIX = ".ckpt-tmp-"
+"""Prefix of the temporary files of atomic writes (a dot name: never a valid entry name, see :func:`safe_path`)."""
+CHUNK_SIZE = 8 << 20
+"""Blobs are written (and hashed) in chunks of this many bytes."""
+
+# Fixed part of the header: magic, major, minor, flags, n_records, fingerprint length.
+_FIXED = struct.Struct("<8sHHIII")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+# A state record's header: n_tokens, pos_min, pos_max, flags, reserved, 3 blob lengths, reserved.
+_RECORD = struct.Struct("<qqqIIQQQQ")
+# Trailer: offset of the trailer (= bytes before it), digest of those bytes, end magic.
+_TRAILER = struct.Struct(f"<Q{DIGEST_SIZE}s8s")
+assert _RECORD.size == ALIGNMENT
+
+FILE_FLAGS_REQUIRED = 0x0000FFFF
+"""File flag bits a reader must understand (none are defined in 1.x: all must be clear)."""
+REC_PARTIAL = 1 << 0
+REC_TARGET = 1 << 1
+REC_DRAFT = 1 << 2
+REC_SPECULATIVE = 1 << 3
+_REC_KNOWN = REC_PARTIAL | REC_TARGET | REC_DRAFT | REC_SPECULATIVE
+_BLOBS = (("target", REC_TARGET), ("draft", REC_DRAFT), ("speculative", REC_SPECULATIVE))
+
+_TOKEN_DTYPE = np.dtype("<i4")
+_INT32 = np.iinfo(np.int32)
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
+MIN_FILE_SIZE = 2 * ALIGNMENT + _RECORD.size + _TRAILER.size
+"""Smallest well-formed file: one record with empty blobs, no tokens, empty strings."""
+
+
+class CorruptFileError(CheckpointError):
+    """A slot file is malformed: truncated, corrupted, not a slot file, or of an unsupported format version.
+
+    :ivar path: The file.
+    :ivar offset: Byte offset of the problem, when it has one.
+    """
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None, offset: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+
+
+class UnsafePathError(CheckpointError):
+    """A client-supplied file name would leave the configured directory (or is not a plain file name)."""
+
+
+@dataclass(frozen=True)
+class EntryHeader:
+    """What :func:`read_header` reads: enough to index a file without mapping its blobs.
+
+    :ivar fingerprint: The model/context fingerprint the states belong to.
+    :ivar namespace: The tenant partition.
+    :ivar n_tokens: Tokens the full state holds.
+    :ivar tokens: Read-only ``int32`` token ids.
+    :ivar file_size: Size of the file in bytes.
+    :ivar n_checkpoints: Checkpoints stored besides the full state.
+    :ivar version: ``(major, minor)`` format version of the file.
+    """
+
+    fingerprint: str
+    namespace: str
+    n_tokens: int
+    tokens: np.ndarray
+    file_size: int
+    n_checkpoints: int
+    version: tuple[int, int]
+
+
+def _pad(n: int) -> int:
+    """Bytes of padding after ``n`` bytes to reach the next multiple of :data:`ALIGNMENT`."""
+    return -n % ALIGNMENT
+
+
+_ZEROS = bytes(ALIGNMENT)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def _write_chunk(file: BinaryIO, chunk: memoryview) -> int:
+    """Write part of ``chunk`` (one ``write`` call); return the bytes written. The single place data hits the file."""
+    written = file.write(chunk)
+    if written is None:  # a non-blocking raw file would return None; ours never is
+        raise OSError(errno.EAGAIN, "write would block")
+    return written
+
+
+def _emit(file: BinaryIO, hashers: tuple, data: bytes | memoryview) -> int:
+    """Write ``data`` in chunks without copying it, feeding each chunk to ``hashers``; return its length."""
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    total = len(view)
+    offset = 0
+    while offset < total:
+        chunk = view[offset : offset + CHUNK_SIZE]
+        for hasher in hashers:
+            hasher.update(chunk)
+        done = 0
+        while done < len(chunk):
+            done += _write_chunk(file, chunk[done:])
+        offset += len(chunk)
+    return total
+
+
+def _check_blob(name: str, buffer: np.ndarray) -> memoryview:
+    if not isinstance(buffer, np.ndarray) or buffer.dtype != np.uint8 or buffer.ndim != 1:
+        raise ValueError(f"state blob {name} must be a one-dimensional uint8 array")
+    if not buffer.flags.c_contiguous:
+        raise ValueError(f"state blob {name} must be C-contiguous")
+    return memoryview(buffer)
+
+
+def _encode_text(what: str, text: str) -> bytes:
+    data = text.encode("utf-8")
+    if len(data) > MAX_TEXT_BYTES:
+        raise ValueError(f"{what} is {len(data)} UTF-8 bytes, more than the {MAX_TEXT_BYTES} the format allows")
+    return data
+
+
+def _tokens_for_disk(tokens: np.ndarray) -> np.ndarray:
+    array = np.asarray(tokens)
+    if array.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
+    if array.size and array.dtype != _TOKEN_DTYPE:
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
+        if int(array.min()) < _INT32.min or int(array.max()) > _INT32.max:
+            raise ValueError("token ids must fit in int32")
+    return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
+
+
+def _fsync_directory(directory: Path) -> None:
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    try:
+        fd = os.open(directory, flags)
+    except OSError:
+        if sys.platform == "win32":  # directories cannot be opened (nor need syncing) there
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_entry(path: str | os.PathLike[str], entry: CacheEntry, *, model_fingerprint: str) -> int:
+    """Write ``entry`` to ``path`` atomically; return the bytes written (the file's size).
+
+    The data goes to a temporary file in the same directory (named ``.ckpt-tmp-*.tmp``), is flushed and
+    ``fsync``-ed, then renamed onto ``path`` and the directory is ``fsync``-ed: a crash at any point leaves either the
+    earlier file or the new one, both complete. State bytes are written from the buffers themselves, in chunks of
+    :data:`CHUNK_SIZE`, never copied. The file is created with mode ``0600``.
+
+    :param path: Destination. Pass a client-supplied name through :func:`safe_path` first.
+    :param entry: The entry; its state and checkpoints must all belong to ``model_fingerprint``.
+    :param model_fingerprint: The fingerprint of the model/context the states were captured on.
+    :raises IncompatibleStateError: A state of the entry belongs to another fingerprint.
+    :raises ValueError: The entry cannot be represented (non-uint8 blobs, oversized strings, too many records...).
+    :raises OSError: Writing failed; nothing was replaced and the temporary file was removed.
+    """
+    path = Path(path)
+    records: list[Checkpoint] = [entry.state, *entry.checkpoints]
+    for record in records:
+        if record.fingerprint != model_fingerprint:
+            raise IncompatibleStateError(
+                f"refusing to write a state of model/context {record.fingerprint!r} as {model_fingerprint!r}"
+            )
+    if len(records) > MAX_RECORDS:
+        raise ValueError(f"{len(records)} state records exceed the format's limit of {MAX_RECORDS}")
+    tokens = _tokens_for_disk(entry.tokens)
+    n_tokens = len(tokens)
+    if entry.state.n_tokens != n_tokens:
+        raise ValueError(f"the full state holds {entry.state.n_tokens} tokens but the entry has {n_tokens}")
+    fingerprint = _encode_text("fingerprint", model_fingerprint)
+    namespace = _encode_text("namespace", entry.namespace)
+
+    # Validate every record before creating any file.
+    encoded: list[tuple[bytes, list[memoryview]]] = []
+    for index, record in enumerate(records):
+        if not 0 <= record.n_tokens <= n_tokens:
+            raise ValueError(f"record {index} holds {record.n_tokens} tokens, outside 0..{n_tokens}")
+        if record.pos_min < -1 or record.pos_max < -1:
+            raise ValueError(f"record {index} has negative positions ({record.pos_min}, {record.pos_max})")
+        flags = REC_PARTIAL if record.partial else 0
+        lengths, views = [], []
+        for name, bit in _BLOBS:
+            buffer = getattr(record, name)
+            if buffer is None:
+                lengths.append(0)
+                continue
+            view = _check_blob(f"{name} of record {index}", buffer)
+            flags |= bit
+            lengths.append(view.nbytes)
+            views.append(view)
+        head = _RECORD.pack(record.n_tokens, record.pos_min, record.pos_max, flags, 0, *lengths, 0)
+        encoded.append((head, views))
+
+    major, minor = FORMAT_VERSION
+    prefix = bytearray(_FIXED.pack(MAGIC, major, minor, 0, len(records), len(fingerprint)))
+    prefix += fingerprint + _U32.pack(len(namespace)) + namespace + _U64.pack(n_tokens)
+    prefix += bytes(_pad(len(prefix)))
+    token_view = memoryview(tokens).cast("B")
+    header_digest = hashlib.blake2b(prefix, digest_size=DIGEST_SIZE)
+    header_digest.update(token_view)
+    header_end = len(prefix) + token_view.nbytes + DIGEST_SIZE
+
+    directory = path.parent
+    whole = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    hashers = (whole,)
+    temp = tempfile.NamedTemporaryFile(dir=directory, prefix=TEMP_PREFIX, suffix=".tmp", delete=False, buffering=0)
+    try:
+        with temp as file:
+            written = _emit(file, hashers, prefix)
+            written += _emit(file, hashers, token_view)
+            written += _emit(file, hashers, header_digest.digest())
+            written += _emit(file, hashers, _ZEROS[: _pad(header_end)])
+            for head, views in encoded:
+                written += _emit(file, hashers, head)
+                for view in views:
+                    written += _emit(file, hashers, view)
+                    written += _emit(file, hashers, _ZEROS[: _pad(view.nbytes)])
+            written += _emit(file, (), _TRAILER.pack(written, whole.digest(), END_MAGIC))
+            os.fsync(file.fileno())
+        os.replace(temp.name, path)
+    except BaseException:
+        try:
+            os.unlink(temp.name)
+        except OSError:
+            pass
+        raise
+    _fsync_directory(directory)
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reading
+
+
+class _Source:
+    """Bounded random access to a file's bytes (an ``mmap`` or ``pread``s), raising :class:`CorruptFileError`."""
+
+    def __init__(self, path: str | os.PathLike[str], size: int) -> None:
+        self.path = path
+        self.size = size
+
+    def fail(self, problem: str, offset: int | None) -> CorruptFileError:
+        where = f" at offset {offset}" if offset is not None else ""
+        return CorruptFileError(f"corrupt slot file {os.fspath(self.path)!r}: {problem}{where}", path=self.path,
+                                offset=offset)
+
+    def need(self, offset: int, n: int, limit: int, what: str) -> None:
+        """Check that ``n`` bytes of ``what`` at ``offset`` end before ``limit`` (nothing is read)."""
+        if n < 0 or offset + n > limit:
+            raise self.fail(f"{what} needs {n} bytes but only {max(0, limit - offset)} are left (up to {limit})", offset)
+
+    def read(self, offset: int, n: int) -> bytes:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def hash(self, start: int, end: int) -> bytes:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def unpack(self, layout: struct.Struct, offset: int, limit: int, what: str) -> tuple:
+        self.need(offset, layout.size, limit, what)
+        return layout.unpack(self.read(offset, layout.size))
+
+
+class _MappedSource(_Source):
+    def __init__(self, path: str | os.PathLike[str], mapping: mmap.mmap) -> None:
+        super().__init__(path, len(mapping))
+        self.mapping = mapping
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.mapping[offset : offset + n]
+
+    def unpack(self, layout: struct.Struct, offset: int, limit: int, what: str) -> tuple:
+        self.need(offset, layout.size, limit, what)
+        return layout.unpack_from(self.mapping, offset)
+
+    def hash(self, start: int, end: int) -> bytes:
+        with memoryview(self.mapping) as view, view[start:end] as part:
+            return hashlib.blake2b(part, digest_size=DIGEST_SIZE).digest()
+
+
+class _FileSource(_Source):
+    def __init__(self, path: str | os.PathLike[str], fd: int, size: int) -> None:
+        super().__init__(path, size)
+        self.fd = fd
+
+    def read(self, offset: int, n: int) -> bytes:
+        if hasattr(os, "pread"):
+            data = os.pread(self.fd, n, offset)
+        else:  # Windows
+            os.lseek(self.fd, offset, os.SEEK_SET)
+            data = os.read(self.fd, n)
+        if len(data) != n:  # the file shrank under us
+            raise self.fail(f"short read ({len(data)} of {n} bytes): the file changed while being read", offset)
+        return data
+
+    def hash(self, start: int, end: int) -> bytes:
+        hasher = hashlib.blake2b(digest_size=DIGEST_SIZE)
+        offset = start
+        while offset < end:
+            n = min(end - offset, 1 << 20)
+            hasher.update(self.read(offset, n))
+            offset += n
+        return hasher.digest()
+
+
+@dataclass
+class _Header:
+    version: tuple[int, int]
+    n_records: int
+    fingerprint: str
+    namespace: str
+    n_tokens: int
+    tokens_offset: int
+    records_offset: int
+    body_end: int
+
+
+def _decode_text(source: _Source, data: bytes, offset: int, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise source.fail(f"{what} is not valid UTF-8 ({exc.reason})", offset + exc.start) from None
+
+
+def _check_zero(source: _Source, offset: int, n: int, limit: int, what: str) -> None:
+    if n:
+        source.need(offset, n, limit, what)
+        data = source.read(offset, n)
+        if data.count(0) != n:
+            raise source.fail(f"{what} is not zero", offset + next(i for i, b in enumerate(data) if b))
+
+
+def _parse_header(source: _Source) -> _Header:
+    """Parse and verify everything up to the first record, and the trailer's framing (not its digest)."""
+    size = source.size
+    if size >= len(MAGIC) and source.read(0, len(MAGIC)) != MAGIC:
+        raise source.fail("not a slot file (bad magic)", 0)
+    if size < MIN_FILE_SIZE:
+        raise source.fail(f"file is {size} bytes, shorter than the smallest slot file ({MIN_FILE_SIZE} bytes)",
+                          None if size < len(MAGIC) else size)
+    _, major, minor, flags, n_records, fp_len = source.unpack(_FIXED, 0, size, "header")
+    if major != FORMAT_VERSION[0]:
+        raise source.fail(
+            f"unsupported format version {major}.{minor} (this reader reads {FORMAT_VERSION[0]}.x)", 8
+        )
+    if flags & FILE_FLAGS_REQUIRED:
+        raise source.fail(f"unknown required file flags {flags & FILE_FLAGS_REQUIRED:#06x}", 12)
+    body_end = size - _TRAILER.size
+    trailer_offset, _, end_magic = source.unpack(_TRAILER, body_end, size, "trailer")
+    if end_magic != END_MAGIC:
+        raise source.fail("end marker missing: the file is truncated or was not completely written", size - 8)
+    if trailer_offset != body_end:
+        raise source.fail(f"trailer records {trailer_offset} bytes of data but the file holds {body_end}", body_end)
+    if not 1 <= n_records <= MAX_RECORDS:
+        raise source.fail(f"record count {n_records} outside 1..{MAX_RECORDS}", 16)
+    offset = _FIXED.size
+    if fp_len > MAX_TEXT_BYTES:
+        raise source.fail(f"fingerprint length {fp_len} exceeds {MAX_TEXT_BYTES}", 20)
+    source.need(offset, fp_len, body_end, "fingerprint")
+    fingerprint = _decode_text(source, source.read(offset, fp_len), offset, "fingerprint")
+    offset += fp_len
+    (ns_len,) = source.unpack(_U32, offset, body_end, "namespace length")
+    if ns_len > MAX_TEXT_BYTES:
+        raise source.fail(f"namespace length {ns_len} exceeds {MAX_TEXT_BYTES}", offset)
+    offset += _U32.size
+    source.need(offset, ns_len, body_end, "namespace")
+    namespace = _decode_text(source, source.read(offset, ns_len), offset, "namespace")
+    offset += ns_len
+    n_tokens_offset = offset
+    (n_tokens,) = source.unpack(_U64, offset, body_end, "token count")
+    offset += _U64.size
+    _check_zero(source, offset, _pad(offset), body_end, "header padding")
+    offset += _pad(offset)
+    tokens_offset = offset
+    if n_tokens > (body_end - offset) // _TOKEN_DTYPE.itemsize:
+        raise source.fail(
+            f"token count {n_tokens} needs {n_tokens * _TOKEN_DTYPE.itemsize} bytes but only "
+            f"{max(0, body_end - offset)} are left",
+            n_tokens_offset,
+        )
+    offset += n_tokens * _TOKEN_DTYPE.itemsize
+    source.need(offset, DIGEST_SIZE, body_end, "header digest")
+    if source.read(offset, DIGEST_SIZE) != source.hash(0, offset):
+        raise source.fail("header digest mismatch (the header is corrupted)", offset)
+    offset += DIGEST_SIZE
+    _check_zero(source, offset, _pad(offset), body_end, "header padding")
+    offset += _pad(offset)
+    return _Header((major, minor), n_records, fingerprint, namespace, n_tokens, tokens_offset, offset, body_end)
+
+
+def _check_fingerprint(path: str | os.PathLike[str], found: str, expected: str | None) -> None:
+    if expected is not None and found != expected:
+        raise IncompatibleStateError(
+            f"slot file {os.fspath(path)!r} holds state of model/context {found!r}, "
+            f"but {expected!r} was expected; refusing to load it"
+        )
+
+
+def _open_regular(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """Open ``path`` read-only; return ``(fd, size)``; refuse anything but a regular file."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+                 | getattr(os, "O_BINARY", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptFileError(f"{os.fspath(path)!r} is not a regular file", path=path)
+        return fd, info.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+# (offset, n_tokens, pos_min, pos_max, partial, [(offset, length) or None per blob])
+_Record = tuple[int, int, int, int, bool, list]
+
+
+def _parse_records(source: _Source, header: _Header) -> list[_Record]:
+    records: list[_Record] = []
+    offset, end = header.records_offset, header.body_end
+    for index in range(header.n_records):
+        what = f"record {index}"
+        n_tokens, pos_min, pos_max, flags, reserved, *lengths, reserved2 = source.unpack(_RECORD, offset, end, what)
+        if flags & ~_REC_KNOWN:
+            raise source.fail(f"{what} has unknown flags {flags & ~_REC_KNOWN:#x}", offset + 24)
+        if reserved or reserved2:
+            raise source.fail(f"{what} has non-zero reserved fields", offset)
+        if not flags & REC_TARGET:
+            raise source.fail(f"{what} has no target state", offset + 24)
+        if not 0 <= n_tokens <= header.n_tokens or (index == 0 and n_tokens != header.n_tokens):
+            raise source.fail(f"{what} holds {n_tokens} tokens, inconsistent with the entry's {header.n_tokens}",
+                              offset)
+        if pos_min < -1 or pos_max < -1:
+            raise source.fail(f"{what} has invalid positions ({pos_min}, {pos_max})", offset + 8)
+        blobs: list[tuple[int, int] | None] = []
+        length_offset = offset + 32
+        offset += _RECORD.size
+        for (name, bit), length in zip(_BLOBS, lengths):
+            if not flags & bit:
+                if length:
+                    raise source.fail(f"{what} has a length for its absent {name} blob", length_offset)
+                blobs.append(None)
+            else:
+                if length > end - offset:
+                    raise source.fail(
+                        f"{what} {name} blob length {length} exceeds the {max(0, end - offset)} bytes left",
+                        length_offset,
+                    )
+                blobs.append((offset, length))
+                offset += length
+                _check_zero(source, offset, _pad(offset), end, f"{what} {name} padding")
+                offset += _pad(offset)
+            length_offset += 8
+        records.append((offset, n_tokens, pos_min, pos_max, bool(flags & REC_PARTIAL), blobs))
+    if offset != end:
+        raise source.fail(f"{end - offset} unexpected bytes after the last record", offset)
+    return records
+
+
+def read_entry(path: str | os.PathLike[str], *, expected_fingerprint: str | None = None) -> CacheEntry:
+    """Map the file at ``path`` and return its entry, whose buffers are read-only views into the mapping.
+
+    Every structure is validated before use: magic, version, each length against the bytes left, the header and
+    whole-file digests, and (when ``expected_fingerprint`` is given) the fingerprint. Nothing is copied or allocated
+    in proportion to a length field; the mapping lives as long as a buffer of the entry does. The whole file is read
+    once to check its digest.
+
+    :raises CorruptFileError: The file is malformed (message and ``offset`` say what and where).
+    :raises IncompatibleStateError: The file's fingerprint is not ``expected_fingerprint``.
+    :raises OSError: The file cannot be opened or mapped.
+    """
+    fd, size = _open_regular(path)
+    try:
+        if size < MIN_FILE_SIZE:
+            # Too small to map usefully (and mmap refuses empty files): report from a bounded read.
+            source: _Source = _FileSource(path, fd, size)
+            _parse_header(source)
+            raise source.fail("file too short", size)  # not reached: _parse_header refused it
+        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    try:
+        source = _MappedSource(path, mapping)
+        header = _parse_header(source)
+        _check_fingerprint(path, header.fingerprint, expected_fingerprint)
+        records = _parse_records(source, header)
+        stored = source.unpack(_TRAILER, header.body_end, size, "trailer")[1]
+        if source.hash(0, header.body_end) != stored:
+            raise source.fail("digest mismatch (the file is corrupted)", header.body_end + 8)
+    except BaseException:
+        mapping.close()
+        raise
+    # Validated: from here on, only views into the mapping are made.
+    whole = np.frombuffer(mapping, dtype=np.uint8)
+    tokens = whole[header.tokens_offset : header.tokens_offset + header.n_tokens * _TOKEN_DTYPE.itemsize].view(
+        _TOKEN_DTYPE
+    )
+    if not _TOKEN_DTYPE.isnative:  # big-endian host: one small copy of the tokens
+        tokens = tokens.astype(np.int32)
+        tokens.flags.writeable = False
+    states = []
+    for _, n_tokens, pos_min, pos_max, partial, blobs in records:
+        buffers = [None if blob is None else whole[blob[0] : blob[0] + blob[1]] for blob in blobs]
+        states.append(
+            Checkpoint(
+                n_tokens=n_tokens,
+                pos_min=pos_min,
+                pos_max=pos_max,
+                partial=partial,
+                target=buffers[0],
+                fingerprint=header.fingerprint,
+                draft=buffers[1],
+                speculative=buffers[2],
+            )
+        )
+    return CacheEntry(tokens, states[0], tuple(states[1:]), header.namespace)
+
+
+def read_header(path: str | os.PathLike[str], *, expected_fingerprint: str | None = None) -> EntryHeader:
+    """Read and verify only the header of the file at ``path`` (for indexing a directory without mapping blobs).
+
+    Checks the magic, version, lengths, the header digest and the trailer's framing (a truncated file is refused);
+    the blobs and the whole-file digest are only checked by :func:`read_entry`.
+
+    :raises CorruptFileError: The header is malformed or the file truncated.
+    :raises IncompatibleStateError: The file's fingerprint is not ``expected_fingerprint``.
+    """
+    fd, size = _open_regular(path)
+    try:
+        source = _FileSource(path, fd, size)
+        header = _parse_header(source)
+        _check_fingerprint(path, header.fingerprint, expected_fingerprint)
+        data = source.read(header.tokens_offset, header.n_tokens * _TOKEN_DTYPE.itemsize)
+    finally:
+        os.close(fd)
+    tokens = np.frombuffer(data, dtype=_TOKEN_DTYPE)
+    if not _TOKEN_DTYPE.isnative:
+        tokens = tokens.astype(np.int32)
+        tokens.flags.writeable = False
+    return EntryHeader(
+        fingerprint=header.fingerprint,
+        namespace=header.namespace,
+        n_tokens=header.n_tokens,
+        tokens=tokens,
+        file_size=size,
+        n_checkpoints=header.n_records - 1,
+        version=header.version,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# file names
+
+
+def safe_path(directory: str | os.PathLike[str], filename: str) -> Path:
+    """Confine a client-supplied ``filename`` to ``directory``; return ``directory / filename``.
+
+    Only a plain name of ``[A-Za-z0-9._-]`` (1 to 255 characters, not starting with ``.``) is accepted: no absolute
+    path, separator, ``..``, NUL or hidden name (temporary files are hidden names). If the name exists as a symlink,
+    its real path must still lie inside the directory's real path.
+
+    The check cannot stop a symlink created afterwards by someone with write access to the directory; keep the
+    directory writable by the server only.
+
+    :raises UnsafePathError: The name is refused.
+    """
+    if not isinstance(filename, str):
+        raise UnsafePathError(f"file name must be a string, got {type(filename).__name__}")
+    if not _SAFE_NAME.fullmatch(filename):
+        shown = filename if len(filename) <= 80 else filename[:80] + "..."
+        raise UnsafePathError(
+            f"refusing file name {shown!r}: only a plain name of letters, digits, '.', '_' and '-' "
+            f"(1 to 255 characters, not starting with '.') is allowed"
+        )
+    base = Path(directory)
+    candidate = base / filename
+    real_directory = Path(os.path.realpath(base))
+    real = Path(os.path.realpath(candidate))
+    if real == real_directory or not real.is_relative_to(real_directory):
+        raise UnsafePathError(
+            f"refusing file name {filename!r}: it resolves to {str(real)!r}, outside {str(real_directory)!r}"
+        )
+    return candidate
+
+
+def iter_entry_files(directory: str | os.PathLike[str]) -> Iterator[Path]:
+    """Regular files of ``directory`` whose names :func:`safe_path` accepts (temporary files of writes are skipped)."""
+    with os.scandir(directory) as entries:
+        for item in entries:
+            if _SAFE_NAME.fullmatch(item.name) and item.is_file(follow_symlinks=False):
+                yield Path(directory) / item.name
+
+
+def remove_stale_temp_files(directory: str | os.PathLike[str], *, min_age_seconds: float = 3600.0) -> list[Path]:
+    """Delete temporary files left by writes that crashed, if older than ``min_age_seconds``; return them.
+
+    Younger ones may belong to a write in progress (in this or another process) and are kept.
+    """
+    removed = []
+    now = time.time()
+    with os.scandir(directory) as entries:
+        for item in entries:
+            if not (item.name.startswith(TEMP_PREFIX) and item.name.endswith(".tmp")):
+                continue
+            try:
+                if not item.is_file(follow_symlinks=False) or now - item.stat(follow_symlinks=False).st_mtime < min_age_seconds:
+                    continue
+                os.unlink(item.path)
+            except FileNotFoundError:
+                continue
+            removed.append(Path(directory) / item.name)
+    return removed
