@@ -64,9 +64,13 @@ class CheckpointSettings(BaseSettings):
         "tokens, so that coming back to it is a hit.",
     )
     namespace: str = Field("default", min_length=1, description="Cache partition of this manager's requests.")
+    disk_dir: str | None = Field(
+        None, description="Directory of the prompt cache's disk tier (entries survive restarts); None for RAM only."
+    )
+    disk_max_bytes: int = Field(10 << 30, ge=0, description="Byte budget of the disk tier.")
     load_entrypoints: bool = Field(True, description="Load plugins from the 'ckpt_plugin' entry-point group.")
 
-    @field_validator("cache_max_bytes", mode="before")
+    @field_validator("cache_max_bytes", "disk_max_bytes", mode="before")
     @classmethod
     def _size(cls, value: int | str) -> int:
         return parse_size(value)
@@ -94,6 +98,9 @@ class ServeSettings(CheckpointSettings):
         "key), 'header' (a hash of the header named by namespace_header, set by the operator's gateway).",
     )
     namespace_header: str | None = Field(None, description="Header carrying the tenant id when namespaces='header'.")
+    slot_save_path: str | None = Field(
+        None, description="Directory of slot files for POST /slots/{id}?action=save|restore|erase; off when unset."
+    )
 
     @model_validator(mode="after")
     def _header_named(self) -> "ServeSettings":

@@ -27,6 +27,7 @@ from llama_cpp.llama_cache import BaseLlamaCache
 
 from .cache import CacheEntry, PromptCache
 from .config import CheckpointSettings
+from .disk_tier import DiskTier
 from .errors import UnsupportedHostError
 from .manager import CheckpointManager
 from .policy import MemoryKind
@@ -207,6 +208,7 @@ class _Attachment:
         self.saved = {name: llama.__dict__[name] for name in _PATCHED if name in llama.__dict__}
         self.saved_cache = llama.cache
         self.prompt_end: int | None = None
+        self.generating = False
         self._generate = type(llama).generate.__get__(llama)
         self._load_state = type(llama).load_state.__get__(llama)
         self._generate_signature = inspect.signature(type(llama).generate)
@@ -239,6 +241,13 @@ class _Attachment:
     # -- patched methods --------------------------------------------------------------------------------------------
 
     def eval(self, tokens: Sequence[int]) -> None:
+        if self.generating:
+            self._eval(tokens)
+            return
+        with self.manager.lock:
+            self._eval(tokens)
+
+    def _eval(self, tokens: Sequence[int]) -> None:
         llama, manager = self.llama, self.manager
         new = np.asarray(tokens, dtype=np.int32).reshape(-1)
         manager.reconcile()
@@ -260,15 +269,20 @@ class _Attachment:
     def _generate_with_prepare(
         self, tokens: list[int], reset: bool, args: tuple, kwargs: dict
     ) -> Iterator[int]:
-        if reset and tokens:
-            prompt = np.asarray(tokens, dtype=np.int32)
-            n_keep = self.manager.prepare(prompt)
-            self._sync_host(n_keep, prompt)
-        self.prompt_end = len(tokens) if reset else self.llama.n_tokens + len(tokens)
+        # A plain Lock, not an RLock: the host may resume this generator from another worker thread.
+        self.manager.lock.acquire()
+        self.generating = True
         try:
+            if reset and tokens:
+                prompt = np.asarray(tokens, dtype=np.int32)
+                n_keep = self.manager.prepare(prompt)
+                self._sync_host(n_keep, prompt)
+            self.prompt_end = len(tokens) if reset else self.llama.n_tokens + len(tokens)
             yield from self._generate(tokens, *args, **kwargs)
         finally:
             self.prompt_end = None
+            self.generating = False
+            self.manager.lock.release()
 
     def save_state(self) -> SharedLlamaState:
         self.manager.reconcile()
@@ -317,6 +331,7 @@ def attach(
     settings: CheckpointSettings | None = None,
     *,
     cache: PromptCache | None = None,
+    disk: DiskTier | None = None,
     **overrides: Any,
 ) -> CheckpointManager:
     """Give ``llama`` shared checkpoints and a prefix-indexed prompt cache; return its manager.
@@ -324,6 +339,7 @@ def attach(
     :param llama: A ``llama_cpp.Llama`` created by the host.
     :param settings: :class:`~ckpt_plugin.config.CheckpointSettings`; keyword arguments override fields.
     :param cache: A :class:`~ckpt_plugin.cache.PromptCache` shared with other managers of the same model.
+    :param disk: A :class:`~ckpt_plugin.disk_tier.DiskTier` shared likewise.
     :raises UnsupportedHostError: ``llama`` is not a ``Llama``, is already attached, serves embeddings, or
         llama-cpp-python is outside the tested versions; nothing is patched then.
     """
@@ -342,7 +358,7 @@ def attach(
         raise UnsupportedHostError("embedding contexts have no generation state to checkpoint")
     if getattr(llama, "_ctx", None) is None or llama_cpp.llama_get_memory(llama.ctx) is None:
         raise UnsupportedHostError("this Llama has no context memory (closed, or created without one)")
-    manager = CheckpointManager(LlamaBackend(llama), settings, cache=cache, **overrides)
+    manager = CheckpointManager(LlamaBackend(llama), settings, cache=cache, disk=disk, **overrides)
     attachment = _Attachment(llama, manager)
     attachment.install()
     manager.call_hook("on_attach", manager=manager)

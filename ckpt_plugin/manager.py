@@ -8,6 +8,8 @@ code that touches llama.cpp) and the hooks, and keeps the slot, its checkpoints 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Protocol, Sequence
@@ -19,7 +21,9 @@ from . import hooks
 from .cache import CacheEntry, PromptCache
 from .checkpoint import Checkpoint, ExtraState, allocate_state_buffer, freeze
 from .config import CheckpointSettings
+from .disk_tier import DiskTier
 from .errors import IncompatibleStateError, PluginError
+from .persist import read_entry, write_entry
 from .hooks import PROJECT_NAME, hookimpl
 from .request import current_request
 from .policy import (
@@ -158,6 +162,7 @@ class Counters:
     bytes_captured: int = 0
     bytes_restored: int = 0
     restore_seconds: float = 0.0
+    disk_hits: int = 0
 
 
 class DefaultPlugin:
@@ -201,6 +206,8 @@ class CheckpointManager:
     :param backend: The model context.
     :param settings: Settings; keyword overrides are applied on top.
     :param cache: A prompt cache to share with other managers of the same model; a private one by default.
+    :param disk: A disk tier to share likewise; by default one in ``settings.disk_dir`` if that is set.
+    :ivar lock: Held by the host-facing layer while a request uses the slot, and by the slot file operations.
     """
 
     def __init__(
@@ -208,6 +215,7 @@ class CheckpointManager:
         backend: Backend,
         settings: CheckpointSettings | None = None,
         cache: PromptCache | None = None,
+        disk: DiskTier | None = None,
         **overrides: Any,
     ) -> None:
         base = settings.model_dump() if settings is not None else {}
@@ -219,6 +227,10 @@ class CheckpointManager:
         self.cache = cache if cache is not None else PromptCache(
             self.settings.cache_max_bytes, self.settings.cache_max_tokens
         )
+        if disk is None and self.settings.disk_dir is not None:
+            disk = DiskTier(self.settings.disk_dir, self.settings.disk_max_bytes)
+        self.disk = disk
+        self.lock = threading.Lock()
         self.slot = Slot(0, backend.n_ctx)
         self.slot.namespace = self.settings.namespace
         self.last_restore_seconds = 0.0
@@ -401,6 +413,8 @@ class CheckpointManager:
             self._note_evictions([victim], reason)
         if admitted:
             self.counters.cache_saves += 1
+        if self.disk is not None:
+            admitted = self.disk.store(entry) or admitted
         return admitted
 
     def _note_evictions(self, entries: Iterable[CacheEntry], reason: str) -> None:
@@ -496,6 +510,21 @@ class CheckpointManager:
                 )
                 if reuse.n_keep > chosen.n_keep:
                     chosen_entry, chosen = entry, reuse
+        if self.disk is not None and chosen.n_keep < limit:
+            for record, n_common in self.disk.lookup(slot.namespace, self.fingerprint, prompt):
+                if min(n_common, limit) <= chosen.n_keep:
+                    continue
+                entry = self.disk.load(record)
+                if entry is None:
+                    continue
+                reuse = best_reuse(
+                    self.kind, entry.tokens, entry.n_tokens, entry.pos_min, entry.checkpoints, prompt, limit
+                )
+                if reuse.n_keep > chosen.n_keep:
+                    chosen_entry, chosen = entry, reuse
+                    self.counters.disk_hits += 1
+                    # Back into RAM: the mapped pages are the buffers, nothing is copied.
+                    self.cache.insert(entry)
         return chosen_entry, chosen, live
 
     def prepare(self, prompt: Sequence[int] | np.ndarray) -> int:
@@ -622,6 +651,8 @@ class CheckpointManager:
             lineage_tokens=self.slot.n_lineage,
             slot_checkpoints=len(self.slot.checkpoints),
             memory_kind=self.kind.name,
+            disk_entries=len(self.disk) if self.disk is not None else 0,
+            disk_bytes=self.disk.resident_bytes if self.disk is not None else 0,
         )
         return out
 
@@ -640,6 +671,57 @@ class CheckpointManager:
             "cache": [{"namespace": e.namespace, "n_tokens": e.n_tokens, "bytes": e.nbytes, "hits": e.hits,
                        "checkpoints": len(e.checkpoints)} for e in self.cache.entries()],
         }
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # slot files
+
+    def save_slot(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Write the slot (tokens, full state, checkpoints, draft and speculative state) to ``path`` atomically.
+
+        :return: ``{"n_saved": tokens, "n_written": bytes, "save_ms": ...}``.
+        """
+        started = time.perf_counter()
+        with self.lock:
+            self.reconcile()
+            entry = self.save()
+            written = write_entry(path, entry, model_fingerprint=self.fingerprint)
+        return {"n_saved": entry.n_tokens, "n_written": written, "save_ms": (time.perf_counter() - started) * 1e3}
+
+    def restore_slot(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore the slot from a slot file; a file that is corrupt or made for another model or context is refused
+        and the slot stays exactly as it was.
+
+        :return: ``{"n_restored": tokens, "n_read": bytes, "restore_ms": ...}``.
+        """
+        started = time.perf_counter()
+        entry = read_entry(path, expected_fingerprint=self.fingerprint)
+        with self.lock:
+            self.reconcile()
+            previous = self.save() if self.slot.n_tokens else None
+            try:
+                self.load(entry)
+            except IncompatibleStateError:
+                if previous is not None:
+                    self.load(previous)
+                raise
+        n_read = sum(int(b.nbytes) for b in {id(b): b for b in entry.buffers()}.values())
+        return {"n_restored": entry.n_tokens, "n_read": n_read, "restore_ms": (time.perf_counter() - started) * 1e3}
+
+    def erase_slot(self) -> dict[str, Any]:
+        """Empty the slot (memory and checkpoints); the prompt cache keeps its entries."""
+        with self.lock:
+            n_erased = self.slot.n_tokens
+            self.backend.clear()
+            self._drop_slot_state("cleared")
+            self._full_capture = None
+        return {"n_erased": n_erased}
+
+    def flush(self) -> None:
+        """Put the live slot into the cache (and so into the disk tier), e.g. before the process exits."""
+        with self.lock:
+            self.reconcile()
+            if self.slot.n_tokens >= self.settings.cache_min_tokens:
+                self.save_to_cache()
 
     def close(self) -> None:
         """Drop the slot's checkpoints and tell the plugins the manager is going away."""

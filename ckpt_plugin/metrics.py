@@ -30,6 +30,7 @@ COUNTERS = {
     "tokens_reprocessed": "Shared prompt tokens evaluated again",
     "capture_failures": "State captures that failed (no checkpoint taken)",
     "bytes_copied": "State bytes copied by llama.cpp get/set calls",
+    "disk_hits": "Prompts served from a disk-tier entry",
 }
 GAUGES = {
     "resident_bytes": "Bytes of unique state buffers held by slots and the cache",
@@ -37,6 +38,8 @@ GAUGES = {
     "cache_entries": "Prompt-cache entries",
     "cache_tokens": "Tokens held by prompt-cache entries",
     "slot_checkpoints": "Checkpoints held by the slot",
+    "disk_entries": "Entries in the disk tier",
+    "disk_bytes": "Bytes of the disk tier's files",
 }
 
 

@@ -10,6 +10,11 @@ Routes it answers itself (everything else goes to the app):
 - ``GET /checkpoints/stats``: ``manager.stats()`` per model; admin only.
 - ``DELETE /checkpoints``: drop every cache entry; admin only.
 - ``GET /metrics``: Prometheus text (unless ``metrics`` is off).
+- ``POST /slots/{id}?action=save|restore|erase`` with ``{"filename": ...}``: llama.cpp's slot file API, in the
+  ``slot_save_path`` directory (off when unset); file names are confined to that directory.
+
+At ASGI lifespan shutdown, every manager's live slot is put into its cache (and disk tier, if configured), so a
+restarted server starts warm.
 
 Admin routes are off (404) unless ``admin`` is set; when the host has an API key, admin routes and metrics require
 ``Authorization: Bearer <key>`` (401 otherwise).
@@ -28,13 +33,18 @@ import hmac
 import json
 from typing import Any, Callable, Mapping
 
+from urllib.parse import parse_qsl
+
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .config import ServeSettings
+from .errors import IncompatibleStateError
 from .manager import CheckpointManager
 from .metrics import CONTENT_TYPE, Metrics
+from .persist import CorruptFileError, UnsafePathError, safe_path
 from .request import RequestScope, current_request
 
 Managers = Mapping[str, CheckpointManager]
@@ -69,6 +79,9 @@ class CheckpointMiddleware:
         self.metrics = Metrics(self.managers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, self._flush_on_shutdown(receive), send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -79,6 +92,10 @@ class CheckpointMiddleware:
         self._watch_managers()
         if path == "/checkpoints" or path.startswith("/checkpoints/"):
             response = self._admin(scope["method"], path, headers)
+            await response(scope, receive, send)
+            return
+        if path.startswith("/slots/"):
+            response = await self._slots(scope, path, headers, receive)
             await response(scope, receive, send)
             return
         if path == "/metrics" and self.settings.metrics:
@@ -174,6 +191,69 @@ class CheckpointMiddleware:
         if not self._authorized(headers):
             return _error(401, "unauthorized", "a valid API key is required")
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def _slots(self, scope: Scope, path: str, headers: Headers, receive: Receive) -> Response:
+        directory = self.settings.slot_save_path
+        if directory is None:
+            return _error(404, "not_found", "slot files are disabled (--slot-save-path)")
+        if not self._authorized(headers):
+            return _error(401, "unauthorized", "a valid API key is required")
+        if scope["method"] != "POST":
+            return _error(405, "method_not_allowed", "use POST /slots/{id}?action=save|restore|erase")
+        slot_text = path[len("/slots/"):]
+        if not slot_text.isdigit():
+            return _error(400, "invalid_request", f"slot id must be a number, got {slot_text!r}")
+        managers = _unique(self.managers())
+        slot_id = int(slot_text)
+        if slot_id != 0 or not managers:
+            return _error(404, "not_found", f"no slot {slot_id} (each loaded model has slot 0)")
+        manager = managers[0]
+        action = dict(parse_qsl(scope.get("query_string", b"").decode())).get("action", "")
+        if action == "erase":
+            result = await run_in_threadpool(manager.erase_slot)
+            return JSONResponse({"id_slot": slot_id, **result})
+        if action not in ("save", "restore"):
+            return _error(400, "invalid_request", "action must be save, restore or erase")
+        body = bytearray()
+        while True:
+            message = await receive()
+            body.extend(message.get("body", b""))
+            if len(body) > 1 << 16:
+                return _error(413, "too_large", "slot requests are small JSON objects")
+            if not message.get("more_body", False):
+                break
+        try:
+            payload = json.loads(bytes(body) or b"{}")
+            filename = payload["filename"]
+            if not isinstance(filename, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return _error(400, "invalid_request", 'the body must be a JSON object with a string "filename"')
+        try:
+            target = safe_path(directory, filename)
+            if action == "save":
+                result = await run_in_threadpool(manager.save_slot, target)
+                return JSONResponse({"id_slot": slot_id, "filename": filename, "n_saved": result["n_saved"],
+                                     "n_written": result["n_written"], "timings": {"save_ms": result["save_ms"]}})
+            if not target.exists():
+                return _error(404, "not_found", f"no slot file {filename!r}")
+            result = await run_in_threadpool(manager.restore_slot, target)
+        except UnsafePathError as exc:
+            return _error(400, "invalid_request", str(exc))
+        except (CorruptFileError, IncompatibleStateError) as exc:
+            return _error(400, "invalid_slot_file", str(exc))
+        return JSONResponse({"id_slot": slot_id, "filename": filename, "n_restored": result["n_restored"],
+                             "n_read": result["n_read"], "timings": {"restore_ms": result["restore_ms"]}})
+
+    def _flush_on_shutdown(self, receive: Receive) -> Receive:
+        async def flushing_receive() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                for manager in _unique(self.managers()):
+                    await run_in_threadpool(manager.flush)
+            return message
+
+        return flushing_receive
 
     def _watch_managers(self) -> None:
         for name, manager in self.managers().items():

@@ -298,6 +298,7 @@ def write_entry(path: str | os.PathLike[str], entry: CacheEntry, *, model_finger
                     written += _emit(file, hashers, view)
                     written += _emit(file, hashers, _ZEROS[: _pad(view.nbytes)])
             written += _emit(file, (), _TRAILER.pack(written, whole.digest(), END_MAGIC))
+            file.flush()  # unbuffered: a no-op today, kept so a buffered file would still be complete before fsync
             os.fsync(file.fileno())
         os.replace(temp.name, path)
     except BaseException:
@@ -329,7 +330,8 @@ class _Source:
     def need(self, offset: int, n: int, limit: int, what: str) -> None:
         """Check that ``n`` bytes of ``what`` at ``offset`` end before ``limit`` (nothing is read)."""
         if n < 0 or offset + n > limit:
-            raise self.fail(f"{what} needs {n} bytes but only {max(0, limit - offset)} are left (up to {limit})", offset)
+            left = max(0, limit - offset)
+            raise self.fail(f"{what} needs {n} bytes but only {left} are left (up to {limit})", offset)
 
     def read(self, offset: int, n: int) -> bytes:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -683,7 +685,9 @@ def remove_stale_temp_files(directory: str | os.PathLike[str], *, min_age_second
             if not (item.name.startswith(TEMP_PREFIX) and item.name.endswith(".tmp")):
                 continue
             try:
-                if not item.is_file(follow_symlinks=False) or now - item.stat(follow_symlinks=False).st_mtime < min_age_seconds:
+                if not item.is_file(follow_symlinks=False):
+                    continue
+                if now - item.stat(follow_symlinks=False).st_mtime < min_age_seconds:
                     continue
                 os.unlink(item.path)
             except FileNotFoundError:

