@@ -98,6 +98,10 @@ class ServeSettings(CheckpointSettings):
         "key), 'header' (a hash of the header named by namespace_header, set by the operator's gateway).",
     )
     namespace_header: str | None = Field(None, description="Header carrying the tenant id when namespaces='header'.")
+    draft_model: str | None = Field(
+        None, description="GGUF of a draft model for speculative decoding (same vocabulary as the served model)."
+    )
+    draft_n: int = Field(4, ge=1, le=64, description="Tokens drafted per step by the draft model.")
     slot_save_path: str | None = Field(
         None, description="Directory of slot files for POST /slots/{id}?action=save|restore|erase; off when unset."
     )

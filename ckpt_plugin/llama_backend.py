@@ -24,6 +24,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache
+from llama_cpp.llama_speculative import LlamaDraftModel
 
 from .cache import CacheEntry, PromptCache
 from .config import CheckpointSettings
@@ -89,6 +90,28 @@ def fingerprint(llama: Llama) -> str:
         float(getattr(llama, "lora_scale", 1.0) or 1.0),
     )
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def last_logits(llama: Llama) -> np.ndarray:
+    """A read-only view of the logits of the last token ``llama`` decoded."""
+    view = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llama.ctx, -1), shape=(llama.n_vocab(),))
+    view.flags.writeable = False
+    return view
+
+
+def clear_memory(llama: Llama) -> None:
+    """Empty ``llama``'s memory (all sequences), e.g. to evaluate a reference from scratch."""
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llama.ctx), True)
+
+
+def vocab_digest(llama: Llama) -> str:
+    """A digest of ``llama``'s vocabulary (every token's text), to tell whether two models can share drafts."""
+    vocab = llama_cpp.llama_model_get_vocab(llama.model)
+    digest = hashlib.sha256()
+    for token in range(llama.n_vocab()):
+        digest.update(llama_cpp.llama_vocab_get_text(vocab, token) or b"")
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 class LlamaBackend:

@@ -163,6 +163,7 @@ class Counters:
     bytes_restored: int = 0
     restore_seconds: float = 0.0
     disk_hits: int = 0
+    draft_dropped: int = 0
 
 
 class DefaultPlugin:

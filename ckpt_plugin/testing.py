@@ -168,6 +168,44 @@ def run_prompt(manager: CheckpointManager, prompt: list[int] | np.ndarray, n_gen
     return manager.counters.tokens_evaluated - before
 
 
+NOISE = 0.02
+"""Top-2 logit gap below which two contexts may pick different greedy tokens from batch-size rounding alone."""
+
+
+def greedy_tokens(llama: Any, prompt: list[int], n: int, gaps: list[float] | None = None) -> list[int]:
+    """``n`` greedy tokens of ``llama`` (attached or not) for ``prompt``; with ``gaps``, the top-2 logit gap of
+    each step."""
+    from .llama_backend import last_logits
+
+    out: list[int] = []
+    for token in llama.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+        if gaps is not None:
+            top2 = np.partition(last_logits(llama), -2)[-2:]
+            gaps.append(float(abs(top2[1] - top2[0])))
+        out.append(int(token))
+        if len(out) == n:
+            break
+    return out
+
+
+def fresh_greedy_tokens(reference: Any, prompt: list[int], n: int, gaps: list[float]) -> list[int]:
+    """Greedy tokens of an unattached ``reference`` evaluated from an empty memory."""
+    reference.reset()
+    from .llama_backend import clear_memory
+
+    clear_memory(reference)
+    return greedy_tokens(reference, prompt, n, gaps)
+
+
+def assert_same_answer(got: list[int], want: list[int], gaps: list[float], what: str) -> None:
+    """``got`` equals ``want``, except after a step where the reference itself was within :data:`NOISE` of a tie."""
+    for step, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            assert gaps[step] < NOISE, f"{what}: token {step} is {g}, a fresh context gives {w} (gap {gaps[step]})"
+            return
+    assert len(got) == len(want), f"{what}: {len(got)} tokens, a fresh context gives {len(want)}"
+
+
 # -------------------------------------------------------------------------------------------------------------------
 # pytest fixtures
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import llama_cpp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,38 +22,20 @@ from hypothesis import strategies as st
 
 import ckpt_plugin
 from ckpt_plugin.policy import common_prefix
+from ckpt_plugin.testing import NOISE, assert_same_answer, fresh_greedy_tokens, greedy_tokens
 
 N_GENERATE = 4
-NOISE = 0.02
 MIN_STEP = 16
 VOCAB = (3, 300)
 KINDS = ["llama", "gemma3", "gemma3-swa-full", "mamba", "hybrid"]
 
 
-def greedy(llama: Any, prompt: list[int], n: int = N_GENERATE, gaps: list[float] | None = None) -> list[int]:
-    """Greedy tokens; with ``gaps``, also the top-2 logit gap at each step."""
-    out: list[int] = []
-    for token in llama.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
-        if gaps is not None:
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llama.ctx, -1), shape=(llama.n_vocab(),))
-            top2 = np.partition(logits, -2)[-2:]
-            gaps.append(float(abs(top2[1] - top2[0])))
-        out.append(int(token))
-        if len(out) == n:
-            break
-    return out
+def greedy(llama: Any, prompt: list[int], n: int = N_GENERATE) -> list[int]:
+    return greedy_tokens(llama, prompt, n)
 
 
 def fresh_greedy(reference: Any, prompt: list[int], gaps: list[float]) -> list[int]:
-    reference.reset()
-    return greedy(reference, prompt, gaps=gaps)
-
-
-def assert_same_answer(got: list[int], want: list[int], gaps: list[float], what: str) -> None:
-    for step, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            assert gaps[step] < NOISE, f"{what}: token {step} is {g}, a fresh context gives {w} (gap {gaps[step]})"
-            return
+    return fresh_greedy_tokens(reference, prompt, N_GENERATE, gaps)
 
 
 ops = st.lists(

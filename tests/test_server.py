@@ -167,3 +167,12 @@ def test_multi_model_config_keeps_caches_per_model(tiny_model: Any, tmp_path: An
         assert response.usage.prompt_tokens_details.cached_tokens > 50
         view = HTTP.get(f"{ours.url}/checkpoints").json()["models"]
         assert list(view) == ["swa"] and view["swa"]["memory_kind"] == "swa"
+
+
+def test_draft_model_from_the_command_line(tiny_model: Any) -> None:
+    path = tiny_model("llama")
+    args = model_args(path) + ["--checkpoint-draft-model", str(path), "--checkpoint-draft-n", "3"]
+    with run_server(args) as ours, run_server(model_args(path), plain=True) as plain:
+        messages = [{"role": "system", "content": SYSTEM[1]}, {"role": "user", "content": "one two"}]
+        mine, theirs = chat(client(ours), messages), chat(client(plain), messages)
+        assert mine.choices[0].message.content == theirs.choices[0].message.content

@@ -39,6 +39,8 @@ CHECKPOINT_FLAGS: dict[str, str] = {
     "--checkpoint-disk-dir": "disk_dir",
     "--checkpoint-disk-budget": "disk_max_bytes",
     "--slot-save-path": "slot_save_path",
+    "--checkpoint-draft-model": "draft_model",
+    "--checkpoint-draft-n": "draft_n",
 }
 
 

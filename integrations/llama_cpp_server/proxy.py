@@ -8,6 +8,8 @@ from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings
 
 from ckpt_plugin import CheckpointManager, CheckpointSettings, PromptCache, attach
+from ckpt_plugin.llama_backend import open_llama
+from ckpt_plugin.speculative import enable_speculative
 from ckpt_plugin.config import ServeSettings
 from ckpt_plugin.disk_tier import DiskTier
 
@@ -24,6 +26,8 @@ class CheckpointLlamaProxy(LlamaProxy):
     """
 
     def __init__(self, models: list[ModelSettings], settings: ServeSettings) -> None:
+        self.draft_model = settings.draft_model
+        self.draft_n = settings.draft_n
         self.checkpoint_settings = CheckpointSettings(
             **settings.model_dump(include=set(CheckpointSettings.model_fields))
         )
@@ -44,6 +48,9 @@ class CheckpointLlamaProxy(LlamaProxy):
         return super().__call__(model)
 
     def load_llama_from_model_settings(self, settings: ModelSettings) -> Any:  # type: ignore[override]
+        if self.draft_model is not None:
+            # llama-cpp-python samples every drafted position: the target needs logits for the whole batch.
+            settings = settings.model_copy(update={"logits_all": True})
         llama = LlamaProxy.load_llama_from_model_settings(settings)
         alias = settings.model_alias or settings.model
         cache = self._caches.get(alias)
@@ -52,5 +59,10 @@ class CheckpointLlamaProxy(LlamaProxy):
                 self.checkpoint_settings.cache_max_bytes, self.checkpoint_settings.cache_max_tokens
             )
         # One disk tier for all models: its index is partitioned by model fingerprint.
-        self.managers = {alias: attach(llama, self.checkpoint_settings, cache=cache, disk=self._disk)}
+        manager = attach(llama, self.checkpoint_settings, cache=cache, disk=self._disk)
+        if self.draft_model is not None:
+            draft = open_llama(self.draft_model, n_ctx=settings.n_ctx, n_batch=settings.n_batch,
+                               n_ubatch=settings.n_ubatch, n_threads=settings.n_threads)
+            enable_speculative(llama, manager, draft, self.draft_n)
+        self.managers = {alias: manager}
         return llama
