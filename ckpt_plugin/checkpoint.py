@@ -62,7 +62,8 @@ class StateBufferPool:
             self.reused += 1
         buffer = np.frombuffer(memoryview(backing)[:n_bytes], dtype=np.uint8)
         # buffer.base is the memoryview every derived array keeps alive: when it dies, nothing can see the memory.
-        weakref.finalize(buffer.base, self._give_back, backing)
+        finalizer = weakref.finalize(buffer.base, self._give_back, backing)
+        finalizer.atexit = False  # at exit the buffer may still be alive: its mapping must not be recycled then
         return buffer
 
     def _take(self, n_bytes: int) -> mmap.mmap | None:
@@ -82,7 +83,10 @@ class StateBufferPool:
             while self._free_bytes > self.max_free_bytes and self._free:
                 oldest = self._free.pop(0)
                 self._free_bytes -= len(oldest)
-                oldest.close()
+                try:
+                    oldest.close()
+                except BufferError:  # still exported somewhere: the mapping goes when its last view does
+                    pass
 
     @property
     def free_bytes(self) -> int:
