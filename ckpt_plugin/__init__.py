@@ -14,9 +14,11 @@ Quick start::
 from __future__ import annotations
 
 from .cache import DEFAULT_MAX_BYTES, CacheEntry, PromptCache, RadixIndex
-from .checkpoint import Checkpoint, ExtraState, StateBuffer
-from .config import CheckpointSettings
+from .checkpoint import Checkpoint, ExtraState, StateBuffer, StateBufferPool
+from .config import CheckpointSettings, ServeSettings
+from .disk_tier import DiskTier
 from .errors import CheckpointError, IncompatibleStateError, PluginError, UnsupportedHostError
+from .persist import CorruptFileError, UnsafePathError, read_entry, safe_path, write_entry
 from .hooks import PROJECT_NAME, hookimpl, hookspec
 from .manager import Backend, CheckpointManager, Counters, Slot
 from .policy import CheckpointRules, MemoryKind
@@ -24,16 +26,47 @@ from .policy import CheckpointRules, MemoryKind
 __version__ = "0.1.0"
 
 
+_LAZY = {
+    "attach": "llama_backend",
+    "detach": "llama_backend",
+    "manager_of": "llama_backend",
+    "SharedLlamaState": "llama_backend",
+    "HostPromptCache": "llama_backend",
+    "LlamaBackend": "llama_backend",
+    "DraftModel": "speculative",
+    "DraftStatePlugin": "speculative",
+    "NgramDraft": "speculative",
+    "NgramStatePlugin": "speculative",
+    "enable_speculative": "speculative",
+    "CheckpointMiddleware": "middleware",
+}
+
+
 def __getattr__(name: str):
     # The llama_cpp-facing names load lazily so that policy, cache and hook code import without llama_cpp.
-    if name in {"attach", "detach", "manager_of", "SharedLlamaState", "HostPromptCache", "LlamaBackend"}:
-        from . import llama_backend
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt_plugin' has no attribute {name!r}")
+    import importlib
 
-        return getattr(llama_backend, name)
-    raise AttributeError(f"module 'ckpt_plugin' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
 
 __all__ = [
+    "CheckpointMiddleware",
+    "CorruptFileError",
+    "DiskTier",
+    "DraftModel",
+    "DraftStatePlugin",
+    "NgramDraft",
+    "NgramStatePlugin",
+    "ServeSettings",
+    "StateBufferPool",
+    "UnsafePathError",
+    "enable_speculative",
+    "read_entry",
+    "safe_path",
+    "write_entry",
     "DEFAULT_MAX_BYTES",
     "PROJECT_NAME",
     "Backend",

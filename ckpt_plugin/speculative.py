@@ -52,7 +52,10 @@ class DraftModel(LlamaDraftModel):
             raise IncompatibleStateError("the draft model's vocabulary differs from the target's")
         self.llama = draft
         self.n_draft = n_draft
-        self.manager: CheckpointManager = attach(draft, load_entrypoints=False, checkpoint_min_step=1 << 30)
+        # The target's checkpoints and cache entries carry the draft state: the draft keeps no cache of its own.
+        self.manager: CheckpointManager = attach(
+            draft, load_entrypoints=False, checkpoint_min_step=1 << 30, cache_max_bytes=0
+        )
         self.drafted = 0
         self.accepted = 0
         self._last: tuple[int, list[int]] | None = None
@@ -255,8 +258,12 @@ class NgramStatePlugin:
             log.warning("speculative state dropped: %s", exc)
 
 
-def enable_speculative(target: Any, manager: CheckpointManager, draft: Any, n_draft: int = 4) -> DraftModel:
+def enable_speculative(
+    target: Any, manager: CheckpointManager, draft: Any, n_draft: int = 4, store_draft_state: bool = True
+) -> DraftModel:
     """Give an attached target ``Llama`` a :class:`DraftModel` whose state rides in the target's checkpoints.
+
+    With ``store_draft_state=False`` the draft re-processes what it lacks after a restore instead (for comparison).
 
     The target must have been created with ``logits_all=True`` (llama-cpp-python samples every drafted position)
     or with any ``draft_model`` (which forces it).
@@ -266,6 +273,7 @@ def enable_speculative(target: Any, manager: CheckpointManager, draft: Any, n_dr
     model = DraftModel(draft, target, n_draft)
     plugin = DraftStatePlugin(model)
     plugin.on_attach(manager)
-    manager.plugins.register(plugin, name="ckpt_plugin.draft")
+    if store_draft_state:
+        manager.plugins.register(plugin, name="ckpt_plugin.draft")
     target.draft_model = model
     return model
