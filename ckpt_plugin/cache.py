@@ -9,6 +9,7 @@ never consumes one, it stays valid for the next request.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -160,7 +161,8 @@ class RadixIndex:
             if child is None:
                 stop = node
                 break
-            n = common_prefix(child.edge, prompt[i:])
+            # The first token matched through the dict key; one-token edges (common near branch points) need no more.
+            n = 1 if len(child.edge) == 1 else common_prefix(child.edge, prompt[i:])
             if n < len(child.edge):
                 i += n
                 stop = child
@@ -173,7 +175,8 @@ class RadixIndex:
             for current in frontier:
                 if current.entry is not None and (prefix_entry is None or current.entry is not prefix_entry[0]):
                     found.append((current.entry, i))
-                nxt.extend(current.children.values())
+                # Every subtree holds an entry, so a few children per node are enough: no scan of wide nodes.
+                nxt.extend(itertools.islice(current.children.values(), max_candidates))
             frontier = nxt
         if prefix_entry is not None:
             found.insert(0, prefix_entry)
