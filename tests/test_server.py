@@ -176,3 +176,14 @@ def test_draft_model_from_the_command_line(tiny_model: Any) -> None:
         messages = [{"role": "system", "content": SYSTEM[1]}, {"role": "user", "content": "one two"}]
         mine, theirs = chat(client(ours), messages), chat(client(plain), messages)
         assert mine.choices[0].message.content == theirs.choices[0].message.content
+
+
+@pytest.mark.gemma
+def test_default_model_is_the_embedded_gemma(gemma_path: Any) -> None:
+    """No --model: ckpt-serve serves Gemma-3-270M from its PyPI package; turns after the first reuse the prompt."""
+    with run_server(["--n_ctx", "2048", "--n_threads", "2"]) as ours:
+        models = HTTP.get(f"{ours.url}/v1/models").json()["data"]
+        assert "gemma-3-270m" in models[0]["id"]
+        results = interleaved([ours], turns=2)[0]
+        assert_previous_prompt_reused(results, slack=1)
+        assert ours.metric("checkpoints_created_total") > 0
