@@ -7,8 +7,11 @@ the machine (frequency, other processes) hits every case alike, and reports medi
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import functools
 import gc
+import json
 import math
 import pathlib
 import resource
@@ -85,13 +88,6 @@ def _rounds(cases: Mapping[str, Case], samples: dict[str, Samples], repeats: int
                 samples[name].faults.append(faults)
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """``(fn(), seconds)``."""
-    started = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - started
-
-
 def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else math.nan
 
@@ -159,7 +155,7 @@ def fmt_ratio(value: float) -> str:
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + " |" for row in cells]
     lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
     return "\n".join(lines)
 
@@ -192,6 +188,32 @@ class Report:
 
     def markdown(self, level: int = 2) -> str:
         return "\n\n".join([f"{'#' * level} {self.title}", *self.parts]) + "\n"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        data = json.loads(text)
+        return cls(data["title"], data["parts"], [Figure(**f) for f in data["figures"]])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line of every benchmark
+
+
+def cli(doc: str | None, quick_help: str = "fewer repeats") -> argparse.ArgumentParser:
+    """The common options: ``--quick`` and ``--json PATH`` (where ``run_all.py`` collects the report)."""
+    parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--json", type=pathlib.Path, help="also write the report as JSON to this file")
+    return parser
+
+
+def emit(report: Report, json_path: pathlib.Path | None) -> None:
+    print(report.markdown(), flush=True)
+    if json_path is not None:
+        json_path.write_text(report.to_json())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

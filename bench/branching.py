@@ -13,29 +13,29 @@ attention), mamba (recurrent), hybrid (LFM2), gemma3 (sliding window 32). Each r
 WITH the plugin (``ckpt_plugin.attach``; counted by ``manager.counters.tokens_evaluated``), WITHOUT it (plain
 llama-cpp-python; counted by wrapping ``llama.eval`` on the instance), and a FRESH reference (``reset()`` before each
 request) whose answer each request is compared with. The three run one after the other in the same process (one
-model context open at a time), the whole sequence repeated with the order rotated. Both counts are cross-checked against the tokens actually passed
-to ``llama_decode``. Prompt tokens evaluated are the count at the first generated token.
+model context open at a time), the whole sequence repeated with the order rotated. Both counts are cross-checked
+against the tokens actually passed to ``llama_decode``. Prompt tokens evaluated are the count at the first generated
+token.
 
 Run: ``.venv/bin/python bench/branching.py [--quick]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
-
-import ckpt_plugin
 from _common import (
     GEMMA_OPTIONS,
     GEMMA_VOCAB,
     TINY_OPTIONS,
     TINY_VOCAB,
     Report,
+    cli,
+    emit,
     fmt_ms,
     fmt_ratio,
     gemma_path,
@@ -45,6 +45,8 @@ from _common import (
     ratio,
     tiny_path,
 )
+
+import ckpt_plugin
 from ckpt_plugin.policy import common_prefix
 
 PROMPT_TOKENS = 1400
@@ -87,7 +89,7 @@ def ideal_counts(prompts: list[list[int]], answers: list[list[int]]) -> list[int
     """Prompt tokens after the longest prefix shared with an earlier held state (at least 1)."""
     held: list[np.ndarray] = []
     ideal = []
-    for prompt, answer in zip(prompts, answers):
+    for prompt, answer in zip(prompts, answers, strict=False):
         array = np.asarray(prompt, dtype=np.int32)
         keep = max((min(common_prefix(h, array), len(prompt) - 1) for h in held), default=0)
         ideal.append(len(prompt) - keep)
@@ -205,7 +207,7 @@ class ConfigResult:
         )
 
     def equal_to_fresh(self, runner: str) -> list[bool]:
-        return [a.answer == f.answer for a, f in zip(self.served(runner), self.served(FRESH))]
+        return [a.answer == f.answer for a, f in zip(self.served(runner), self.served(FRESH), strict=False)]
 
 
 def serve_all(name: str, cfg: ModelConfig, prompts: list[list[int]]) -> tuple[list[Served], dict[str, Any]]:
@@ -330,9 +332,8 @@ def run(quick: bool = False) -> Report:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one repeat")
-    print(run(parser.parse_args().quick).markdown())
+    args = cli(__doc__, "one repeat").parse_args()
+    emit(run(args.quick), args.json)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Lookup benchmark: the prefix-indexed prompt cache against ``llama_cpp.llama_cache.LlamaRAMCache`` on the same keys.
 
 Entries of 2,000 tokens: every entry starts with the same 1,000-token system prompt; entries come in groups of 10
-(5 at 10 entries) that share a longer prefix of 1,000-1,500 tokens, then a random tail. A query takes one entry's
-tokens up to a random point 0-500 tokens past its group's prefix and continues with new tokens, so exactly one entry
-holds the longest prefix. No model is needed: both caches hold dummy states.
+(5 at 10 entries) that share a longer prefix of 1,000-1,500 tokens, then a random tail. No model is needed: both
+caches hold dummy states. Two kinds of query, 16 of each, cycled:
+
+- continuing: one entry's tokens up to a random point 0-500 tokens past its group's prefix, then new tokens, so that
+  exactly one entry holds the longest prefix;
+- new conversation: the system prompt, then new tokens (every entry shares exactly the system prompt with it).
 
 Timed, side by side on the same Python ``list`` key (what ``Llama.__call__`` passes to ``self.cache[...]``):
 
@@ -17,7 +20,6 @@ Run: ``.venv/bin/python bench/lookup.py [--quick]``; writes ``docs/lookup.png``.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import pathlib
 import types
@@ -25,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+from _common import Case, Report, Samples, cli, emit, fmt_ms, fmt_ratio, measure, ratio
 from llama_cpp.llama import LlamaState
 from llama_cpp.llama_cache import LlamaRAMCache
 
-from _common import Case, Report, Samples, fmt_ms, fmt_ratio, measure, ratio
 from ckpt_plugin.cache import CacheEntry, PromptCache
 from ckpt_plugin.checkpoint import Checkpoint, freeze
 from ckpt_plugin.llama_backend import HostPromptCache
@@ -47,12 +49,30 @@ PLOT = pathlib.Path(__file__).resolve().parent.parent / "docs" / "lookup.png"
 
 
 @dataclass
-class Workload:
-    """Entry token arrays, their groups' prefix lengths, and queries with the prefix length each should find."""
+class Queries:
+    """Query token arrays and the common-prefix length the best entry must share with each."""
 
-    entries: list[np.ndarray]
-    queries: list[np.ndarray]
+    arrays: list[np.ndarray]
     expected: list[int]
+
+    @property
+    def keys(self) -> list[list[int]]:
+        return [q.tolist() for q in self.arrays]
+
+
+@dataclass
+class Workload:
+    entries: list[np.ndarray]
+    continuing: Queries
+    new: Queries
+
+
+def _diverging_tail(rng: np.random.Generator, n: int, avoid: set[int]) -> np.ndarray:
+    """``n`` random tokens whose first is none of ``avoid`` (so the query leaves the cached prefixes there)."""
+    tail = rng.integers(0, VOCAB, n).astype(np.int32)
+    while int(tail[0]) in avoid:
+        tail[0] = rng.integers(0, VOCAB)
+    return tail
 
 
 def make_workload(n_entries: int, rng: np.random.Generator) -> Workload:
@@ -66,17 +86,20 @@ def make_workload(n_entries: int, rng: np.random.Generator) -> Workload:
     entries = []
     for i in range(n_entries):
         prefix = prefixes[i % n_groups]
-        tail = rng.integers(0, VOCAB, ENTRY_TOKENS - len(prefix)).astype(np.int32)
-        entries.append(np.concatenate((prefix, tail)))
-    queries, expected = [], []
+        entries.append(np.concatenate((prefix, rng.integers(0, VOCAB, ENTRY_TOKENS - len(prefix)).astype(np.int32))))
+    continuing = Queries([], [])
     for _ in range(N_QUERIES):
         i = int(rng.integers(n_entries))
         keep = min(len(prefixes[i % n_groups]) + int(rng.integers(*QUERY_EXTRA)), ENTRY_TOKENS - 1)
-        tail = rng.integers(0, VOCAB, ENTRY_TOKENS - keep).astype(np.int32)
-        tail[0] = (entries[i][keep] + 1) % VOCAB  # diverge exactly at ``keep``
-        queries.append(np.concatenate((entries[i][:keep], tail)))
-        expected.append(keep)
-    return Workload(entries, queries, expected)
+        tail = _diverging_tail(rng, ENTRY_TOKENS - keep, {int(entries[i][keep])})
+        continuing.arrays.append(np.concatenate((entries[i][:keep], tail)))
+        continuing.expected.append(keep)
+    after_system = {int(e[SYSTEM_TOKENS]) for e in entries}
+    new = Queries([], [])
+    for _ in range(N_QUERIES):
+        new.arrays.append(np.concatenate((system, _diverging_tail(rng, ENTRY_TOKENS - SYSTEM_TOKENS, after_system))))
+        new.expected.append(SYSTEM_TOKENS)
+    return Workload(entries, continuing, new)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -118,16 +141,12 @@ def prompt_cache_best(host: HostPromptCache, query: np.ndarray) -> tuple[CacheEn
     return max(found, key=lambda pair: pair[1], default=None)
 
 
-def check_agreement(workload: Workload, ram: LlamaRAMCache, host: HostPromptCache) -> bool:
+def agree(queries: Queries, ram: LlamaRAMCache, host: HostPromptCache) -> bool:
     """Both caches return an entry sharing the expected prefix with every query."""
-    for query, want in zip(workload.queries, workload.expected):
-        key = query.tolist()
-        ram_state = ram[key]
-        host_state = host[key]
-        if common_prefix(np.asarray(ram_state.input_ids, dtype=np.int32), query) != want:
-            return False
-        if common_prefix(np.asarray(host_state.input_ids), query) != want:
-            return False
+    for query, key, want in zip(queries.arrays, queries.keys, queries.expected, strict=False):
+        for state in (ram[key], host[key]):
+            if common_prefix(np.asarray(state.input_ids, dtype=np.int32), query) != want:
+                return False
     return True
 
 
@@ -158,29 +177,40 @@ def cycling(queries: list[Any], lookup: Callable[[Any], object], sweep: bool = F
 class SizeResult:
     n_entries: int
     samples: dict[str, Samples]
-    agree: bool
+    agree: dict[str, bool]
 
 
-RAM, HOST, HOST_L2, INDEX_L2 = (
+CONTINUING, NEW = "continuing", "new conversation"
+RAM, HOST, HOST_L2, INDEX_L2, INDEX_WARM = (
     "LlamaRAMCache[key]",
     "HostPromptCache[key]",
     "HostPromptCache[key], L2 swept",
     "PromptCache.lookup, L2 swept",
+    "PromptCache.lookup, warm",
 )
+
+
+def case_name(kind: str, what: str) -> str:
+    return f"{kind}: {what}"
 
 
 def measure_size(n_entries: int, rounds: int, rng: np.random.Generator) -> SizeResult:
     workload = make_workload(n_entries, rng)
     ram, host = ram_cache(workload), host_cache(workload)
-    agree = check_agreement(workload, ram, host)
-    keys = [q.tolist() for q in workload.queries]
-    cases = {
-        RAM: cycling(keys, lambda key: ram[key]),
-        HOST: cycling(keys, lambda key: host[key]),  # right after the scan: CPU caches hold the RAM cache's keys
-        HOST_L2: cycling(keys, lambda key: host[key], sweep=True),
-        INDEX_L2: cycling(workload.queries, lambda query: prompt_cache_best(host, query), sweep=True),
-    }
-    return SizeResult(n_entries, measure(cases, rounds, warmup=1), agree)
+    cases: dict[str, Case] = {}
+    for kind, queries in ((CONTINUING, workload.continuing), (NEW, workload.new)):
+        keys = queries.keys
+        cases[case_name(kind, RAM)] = cycling(keys, lambda key: ram[key])
+        if kind == CONTINUING:  # right after the scan, while the CPU caches hold the RAM cache's keys
+            cases[case_name(kind, HOST)] = cycling(keys, lambda key: host[key])
+        cases[case_name(kind, HOST_L2)] = cycling(keys, lambda key: host[key], sweep=True)
+        cases[case_name(kind, INDEX_L2)] = cycling(
+            queries.arrays, lambda query: prompt_cache_best(host, query), sweep=True
+        )
+        # the same query again right away: what the walk costs with everything it touches in the CPU caches
+        cases[case_name(kind, INDEX_WARM)] = cycling(queries.arrays, lambda query: prompt_cache_best(host, query))
+    agreement = {CONTINUING: agree(workload.continuing, ram, host), NEW: agree(workload.new, ram, host)}
+    return SizeResult(n_entries, measure(cases, rounds, warmup=1), agreement)
 
 
 def rounds_for(n_entries: int, quick: bool) -> int:
@@ -195,66 +225,93 @@ def plot(results: list[SizeResult], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     sizes = [r.n_entries for r in results]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, marker in ((RAM, "o"), (HOST, "s"), (HOST_L2, "D"), (INDEX_L2, "^")):
-        ax.plot(sizes, [r.samples[name].median * 1e3 for r in results], marker=marker, label=name)
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    for name in results[0].samples:
+        style = "-" if name.startswith(CONTINUING) else "--"
+        marker = {RAM: "o", HOST: "s", HOST_L2: "D", INDEX_L2: "^", INDEX_WARM: "v"}[name.split(": ", 1)[1]]
+        ax.plot(sizes, [r.samples[name].median * 1e3 for r in results], style, marker=marker, label=name)
+    ax.axhline(0.2, color="grey", linewidth=0.8, linestyle=":", label="goal: 0.2 ms")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("cache entries (2,000 tokens each, shared prefixes)")
     ax.set_ylabel("lookup time, median (ms)")
     ax.set_title("Prompt-cache lookup vs entries")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _growth(results: list[SizeResult], name: str) -> str:
-    return fmt_ratio(ratio(results[-1].samples[name].median, results[0].samples[name].median))
+def _median(r: SizeResult, kind: str, what: str) -> float:
+    return r.samples[case_name(kind, what)].median
+
+
+def _growth(results: list[SizeResult], kind: str, what: str) -> str:
+    return fmt_ratio(ratio(_median(results[-1], kind, what), _median(results[0], kind, what)))
+
+
+def _kind_table(report: Report, results: list[SizeResult], kind: str, columns: list[str]) -> None:
+    host = HOST if HOST in columns else HOST_L2
+    rows = []
+    for r in results:
+        rows.append([f"{r.n_entries:,}", *(fmt_ms(_median(r, kind, c)) for c in columns),
+                     fmt_ratio(ratio(_median(r, kind, RAM), _median(r, kind, host))),
+                     len(r.samples[case_name(kind, RAM)].seconds), "yes" if r.agree[kind] else "NO"])
+    report.table(["entries", *columns, f"RAM / {host}", "rounds", "same answer"], rows)
+    growth = ", ".join(f"{c} {_growth(results, kind, c)}" for c in columns)
+    report.text(f"Growth from {results[0].n_entries:,} to {results[-1].n_entries:,} entries: {growth}.")
 
 
 def build_report(results: list[SizeResult]) -> Report:
     report = Report("Lookup: prefix-indexed prompt cache vs LlamaRAMCache")
     report.text(
         f"Entries of {ENTRY_TOKENS:,} tokens: a {SYSTEM_TOKENS:,}-token system prompt shared by all, groups of 10 "
-        f"(5 at 10 entries) sharing {GROUP_PREFIX[0]:,}-{GROUP_PREFIX[1]:,}-token prefixes, random tails; "
-        f"{N_QUERIES} queries cycled, each sharing its group's prefix plus 0-500 tokens with exactly one entry. "
-        "Every case looks up the same Python list key (what `Llama` passes to `self.cache[...]`); the cases run in "
-        "rounds, side by side, in the column order; medians. `HostPromptCache[key]` runs right after the "
-        "`LlamaRAMCache` scan, which has just streamed every key through the CPU caches (the cold case, as in a "
-        "server where a decode streams the weights between two lookups); the 'L2 swept' columns write 8 MB "
-        "(twice the per-core L2) before each call instead. `PromptCache.lookup` is the radix-tree walk alone on an "
-        "int32 array (no list conversion, no `LlamaState`). 'same answer': both caches return an entry with the "
-        "longest common prefix for every query."
+        f"(5 at 10 entries) sharing {GROUP_PREFIX[0]:,}-{GROUP_PREFIX[1]:,}-token prefixes, random tails. "
+        f"{N_QUERIES} queries of each kind, cycled. Every case looks up the same Python list key (what `Llama` passes "
+        "to `self.cache[...]`); the cases run in rounds, side by side, in the column order; medians. "
+        "`HostPromptCache[key]` runs right after the `LlamaRAMCache` scan, which has just streamed every key through "
+        "the CPU caches (the cold case, as in a server where a decode streams the weights between two lookups); the "
+        "'L2 swept' cases write 8 MB (twice the per-core L2) before each call instead. `PromptCache.lookup` is the "
+        "radix-tree walk alone on an int32 array (no list conversion, no `LlamaState`); its 'warm' case repeats the "
+        "query just looked up, so everything the walk touches is in the CPU caches: the algorithmic cost, apart from "
+        "cache and TLB misses, which grow with the memory the index spans. 'same answer': both caches "
+        "return an entry with the longest common prefix for every query. Plot: [lookup.png](lookup.png)."
     )
-    rows = []
-    for r in results:
-        s = r.samples
-        rows.append([
-            f"{r.n_entries:,}", fmt_ms(s[RAM].median), fmt_ms(s[HOST].median), fmt_ms(s[HOST_L2].median),
-            fmt_ms(s[INDEX_L2].median), fmt_ratio(ratio(s[RAM].median, s[HOST].median)), len(s[RAM].seconds),
-            "yes" if r.agree else "NO",
-        ])
-    report.table(["entries", RAM, HOST, HOST_L2, INDEX_L2, "RAM / Host", "rounds", "same answer"], rows)
+    report.text("**Continuing a cached conversation** (the query shares its group's prefix plus 0-500 tokens with "
+                "exactly one entry):")
+    _kind_table(report, results, CONTINUING, [RAM, HOST, HOST_L2, INDEX_L2, INDEX_WARM])
+    report.text(f"**New conversation** (the query shares only the {SYSTEM_TOKENS:,}-token system prompt, with every "
+                "entry):")
+    _kind_table(report, results, NEW, [RAM, HOST_L2, INDEX_L2, INDEX_WARM])
     first, last = results[0], results[-1]
-    report.text(
-        f"Growth from {first.n_entries:,} to {last.n_entries:,} entries: {RAM} {_growth(results, RAM)}, "
-        f"{HOST} {_growth(results, HOST)}, {HOST_L2} {_growth(results, HOST_L2)}, "
-        f"{INDEX_L2} {_growth(results, INDEX_L2)}. Plot: [lookup.png](lookup.png)."
+    for r in (first, last):
+        report.figure(
+            f"lookup at {r.n_entries:,} entries, continuing: HostPromptCache (after the scan / L2 swept) vs "
+            "LlamaRAMCache",
+            f"{fmt_ms(_median(r, CONTINUING, HOST))} / {fmt_ms(_median(r, CONTINUING, HOST_L2))} vs "
+            f"{fmt_ms(_median(r, CONTINUING, RAM))} (LlamaRAMCache / HostPromptCache = "
+            f"{fmt_ratio(ratio(_median(r, CONTINUING, RAM), _median(r, CONTINUING, HOST)))})",
+            "< 0.2 ms" if r is last else "",
+        )
+    report.figure(
+        f"lookup at {last.n_entries:,} entries, new conversation: HostPromptCache (L2 swept) vs LlamaRAMCache",
+        f"{fmt_ms(_median(last, NEW, HOST_L2))} vs {fmt_ms(_median(last, NEW, RAM))}", "< 0.2 ms",
     )
-    by_size = {r.n_entries: r for r in results}
-    for n in (10, 10000):
-        if n in by_size:
-            s = by_size[n].samples
-            report.figure(f"lookup at {n:,} entries: HostPromptCache (after the scan / L2 swept) vs LlamaRAMCache",
-                          f"{fmt_ms(s[HOST].median)} / {fmt_ms(s[HOST_L2].median)} vs {fmt_ms(s[RAM].median)} "
-                          f"(LlamaRAMCache / HostPromptCache = {fmt_ratio(ratio(s[RAM].median, s[HOST].median))})",
-                          "< 0.2 ms" if n == 10000 else "")
-    report.figure(f"lookup growth {first.n_entries:,} -> {last.n_entries:,} entries (Host after scan; L2 swept; RAM)",
-                  f"{_growth(results, HOST)}; {_growth(results, HOST_L2)}; {_growth(results, RAM)}",
-                  "flat in the number of entries")
+    report.figure(
+        f"HostPromptCache lookup growth {first.n_entries:,} -> {last.n_entries:,} entries (continuing after scan; "
+        "continuing L2 swept; new conversation L2 swept)",
+        f"{_growth(results, CONTINUING, HOST)}; {_growth(results, CONTINUING, HOST_L2)}; "
+        f"{_growth(results, NEW, HOST_L2)}",
+        "flat in the number of entries",
+    )
+    report.figure(
+        f"PromptCache.lookup growth {first.n_entries:,} -> {last.n_entries:,} entries, warm (continuing; new "
+        "conversation)",
+        f"{_growth(results, CONTINUING, INDEX_WARM)}; {_growth(results, NEW, INDEX_WARM)}",
+        "flat in the number of entries",
+    )
     return report
 
 
@@ -267,11 +324,10 @@ def run(quick: bool = False, plot_path: pathlib.Path | None = PLOT) -> Report:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser = cli(__doc__)
     parser.add_argument("--no-plot", action="store_true", help="do not write docs/lookup.png")
     args = parser.parse_args()
-    print(run(args.quick, None if args.no_plot else PLOT).markdown())
+    emit(run(args.quick, None if args.no_plot else PLOT), args.json)
 
 
 if __name__ == "__main__":

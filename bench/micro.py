@@ -17,25 +17,24 @@ Run: ``.venv/bin/python bench/micro.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import ctypes
 import gc
 import mmap
+import platform
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import llama_cpp
 import numpy as np
-from llama_cpp import Llama
-
-import ckpt_plugin
 from _common import (
     GEMMA_VOCAB,
     Case,
     Report,
     Samples,
     allocated_peak,
+    cli,
+    emit,
     fmt_bytes,
     fmt_ms,
     fmt_ratio,
@@ -45,8 +44,12 @@ from _common import (
     ratio,
     rss_anon_bytes,
 )
+from llama_cpp import Llama
+
+import ckpt_plugin
 
 PROMPT_TOKENS = 1500
+ROTATING = "raw get partial, new np.empty per call, oldest of 32 freed"
 _u8_p = ctypes.POINTER(ctypes.c_uint8)
 
 
@@ -120,15 +123,20 @@ def open_context() -> Context:
     return Context(llama, manager, backend.state_size(True), backend.state_size(False))
 
 
-def save_changed(manager: ckpt_plugin.CheckpointManager) -> ckpt_plugin.CacheEntry:
-    """``manager.save()`` after dropping the capture it would reuse, as after a change of the slot."""
+def drop_reused_capture(manager: ckpt_plugin.CheckpointManager) -> None:
+    """Forget the full capture ``save()`` reuses while the slot does not change, as a change of the slot would."""
     manager._full_capture = None
+
+
+def save_changed(manager: ckpt_plugin.CheckpointManager) -> ckpt_plugin.CacheEntry:
+    """``manager.save()`` as on a changed slot."""
+    drop_reused_capture(manager)
     return manager.save()
 
 
 def forced_save(manager: ckpt_plugin.CheckpointManager) -> Case:
-    """``manager.save()`` with its reused capture dropped first (untimed), as after a change of the slot."""
-    return Case(setup=lambda: setattr(manager, "_full_capture", None), run=lambda _: manager.save())
+    """``manager.save()`` as on a changed slot, the reused capture dropped before the call (untimed)."""
+    return Case(setup=lambda: drop_reused_capture(manager), run=lambda _: manager.save())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -151,7 +159,7 @@ def measure_capture(c: Context, repeats: int) -> dict[str, Samples]:
     cases: dict[str, Case | Callable[[], object]] = {
         "manager.checkpoint() (partial)": m.checkpoint,
         "raw get partial, preallocated buffer": raw_get(c.ctx, warm_buffer(c.partial_bytes), True),
-        "raw get partial, fresh np.empty": raw_get_fresh(c.ctx, c.partial_bytes, True, kept_partial),
+        ROTATING: raw_get_fresh(c.ctx, c.partial_bytes, True, kept_partial),
         "llama_state_seq_get_size_ext (partial)": lambda: llama_cpp.llama_state_seq_get_size_ext(
             c.ctx, 0, _flags(True)
         ),
@@ -335,12 +343,22 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
                 "one, and the fresh-buffer raw case frees its oldest of as many buffers likewise)")
     report.table(TIMING_HEADERS, _timing_rows(capture, {
         "manager.checkpoint() (partial)": pr,
-        "raw get partial, fresh np.empty": pr,
+        ROTATING: pr,
         "llama_state_seq_get_size_ext (partial)": pr,
         "manager._capture(partial=False)": fr,
         "manager.save() (changed slot)": fr,
         "raw get full, fresh np.empty": fr,
     }))
+    create, one_buffer = capture["manager.checkpoint() (partial)"].median, capture[pr].median
+    rotating = capture[ROTATING].median
+    report.text(
+        f"The raw get into one preallocated buffer rewrites the same {fmt_bytes(c.partial_bytes)} every round, which "
+        "stays in the CPU caches; a checkpoint goes into a different buffer each time (one of those freed when older "
+        "checkpoints were erased), like the raw case with a new `np.empty` per call. So create / raw "
+        f"{fmt_ratio(ratio(create, one_buffer))} = a new buffer per call "
+        f"{fmt_ratio(ratio(rotating, one_buffer))} (raw vs raw) x the manager's own work "
+        f"{fmt_ratio(ratio(create, rotating))} (size query, buffer, hooks, bookkeeping)."
+    )
     rp, rf = "raw set partial, same buffer", "raw set full, same buffer"
     report.text("**Restore**")
     report.table(TIMING_HEADERS, _timing_rows(restore, {
@@ -370,10 +388,10 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
           "n/a" if r.copied is None else f"{ratio(r.copied, r.state_bytes):.2f}"] for r in memory],
     )
     report.text(f"**First touch of fresh pages** ({fmt_bytes(c.partial_bytes)}; growth phase, measured first: the "
-                "checkpoint limit is lifted and nothing is freed). Whether `np.empty` hands out fresh pages depends on "
-                "what the allocator got back before; new anonymous mappings (private unless marked MAP_SHARED) are always "
-                "fresh. NumPy itself asks for "
-                "transparent huge pages (`madvise(MADV_HUGEPAGE)`) on allocations of 4 MB and more; this kernel's THP "
+                "checkpoint limit is lifted and nothing is freed). Whether `np.empty` hands out fresh pages depends "
+                "on what the allocator got back before; new anonymous mappings (private unless marked MAP_SHARED) are "
+                "always fresh. NumPy itself asks for transparent huge pages (`madvise(MADV_HUGEPAGE)`) on allocations "
+                "of 4 MB and more; this kernel's THP "
                 f"setting is `{thp_setting()}`.")
     warm_get = "raw get partial, preallocated buffer"
     report.table(TIMING_HEADERS, _timing_rows(touch, {
@@ -390,12 +408,14 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
     huge = touch["raw get partial, fresh mmap pages + MADV_HUGEPAGE"].median - warm
     report.text(
         f"First-touch cost of {fmt_bytes(c.partial_bytes)} of fresh pages in the raw get: {fmt_ms(small)} with 4 kB "
-        f"pages (+{ratio(small, warm):.0%} over the get into a warm buffer), {fmt_ms(huge)} with "
-        f"`MADV_HUGEPAGE` (+{ratio(huge, warm):.0%}), which is what `np.empty` of a state buffer asks for (with THP "
-        "defrag on `madvise`, a huge-page fault may compact memory synchronously). The manager allocates a new "
-        "buffer per checkpoint (buffers are immutable and shared, so one cannot be reused while anything "
-        "references it), so its create/raw ratio is close to 1 when the allocator hands back freed blocks (the "
-        "steady state of the capture table) and far above it whenever a growing slot or cache gets fresh pages."
+        f"pages (+{ratio(small, warm):.0%} over the get into a warm buffer), {fmt_ms(huge)} with `MADV_HUGEPAGE` "
+        f"(+{ratio(huge, warm):.0%}; `np.empty` asks for it at this size). The plugin allocates a new buffer per "
+        "checkpoint (buffers are immutable and shared, so one cannot be overwritten while anything references it), so "
+        "while a slot or cache grows its create/raw ratio carries this cost (the page-fault column shows which pages "
+        "it got: about one fault per 4 kB page, or a few hundred with huge pages); in the steady state of the capture "
+        "table freed buffers are reused and the ratio is close to 1. The first-touch cost of the same bytes varied by "
+        "an order of magnitude between runs here (about 3 ms to over 30 ms), presumably because this is a virtual "
+        f"machine (kernel `{platform.release()}`) where a page's first use in the guest may also fault in the host."
     )
     _add_figures(report, capture, restore, host, touch)
     _add_copy_figures(report, memory)
@@ -432,8 +452,8 @@ def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str,
 
     report.figure("checkpoint create / raw get (partial, preallocated buffer), steady state",
                   r(capture, "manager.checkpoint() (partial)", "raw get partial, preallocated buffer"), "<= 1.15")
-    report.figure("checkpoint create / raw get into a fresh np.empty (partial)",
-                  r(capture, "manager.checkpoint() (partial)", "raw get partial, fresh np.empty"))
+    report.figure("checkpoint create / raw get into a new buffer per call (steady state, freed blocks reused)",
+                  r(capture, "manager.checkpoint() (partial)", ROTATING))
     report.figure("full capture (_capture) / raw get (full)",
                   r(capture, "manager._capture(partial=False)", "raw get full, preallocated buffer"))
     report.figure("save() on a changed slot / raw get (full)",
@@ -448,8 +468,6 @@ def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str,
                   r(touch, "manager.checkpoint(), limit lifted", "raw get partial, preallocated buffer"), "<= 1.15")
     report.figure("raw get into fresh 4 kB pages / into a preallocated buffer",
                   r(touch, "raw get partial, fresh mmap pages", "raw get partial, preallocated buffer"))
-    report.figure("raw get into fresh MADV_HUGEPAGE pages / into a preallocated buffer",
-                  r(touch, "raw get partial, fresh mmap pages + MADV_HUGEPAGE", "raw get partial, preallocated buffer"))
 
 
 def run(quick: bool = False) -> Report:
@@ -468,10 +486,8 @@ def run(quick: bool = False) -> Report:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    report = run(parser.parse_args().quick)
-    print(report.markdown())
+    args = cli(__doc__).parse_args()
+    emit(run(args.quick), args.json)
 
 
 if __name__ == "__main__":

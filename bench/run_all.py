@@ -1,7 +1,7 @@
 """Run every benchmark of this directory and write ``docs/benchmarks.md``.
 
-Run: ``.venv/bin/python bench/run_all.py`` (several minutes) or ``--quick`` (fewer repeats); ``--only micro`` (repeatable)
-runs a subset; ``--output PATH`` writes elsewhere.
+Run: ``.venv/bin/python bench/run_all.py`` (several minutes) or ``--quick`` (fewer repeats); ``--only micro``
+(repeatable) runs a subset; ``--output PATH`` writes elsewhere.
 """
 
 from __future__ import annotations
@@ -13,25 +13,17 @@ import pathlib
 import platform
 import subprocess
 import sys
+import tempfile
 import time
-import traceback
 from dataclasses import dataclass
-from typing import Callable
 
-import branching
-import lookup
-import micro
-import sharing
 from _common import Report, fmt_ms, markdown_table
+from micro import thp_setting
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH_DIR = pathlib.Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
 OUTPUT = ROOT / "docs" / "benchmarks.md"
-BENCHES: dict[str, Callable[[bool], Report]] = {
-    "micro": micro.run,
-    "lookup": lookup.run,
-    "sharing": sharing.run,
-    "branching": branching.run,
-}
+BENCHES = ("micro", "lookup", "sharing", "branching")
 
 # ---------------------------------------------------------------------------------------------------------------------
 # machine load: the machine is shared, so say how much of it other processes used while each benchmark ran
@@ -79,16 +71,19 @@ class Section:
 
 
 def run_bench(name: str, quick: bool) -> Section:
+    """Run ``bench/<name>.py`` in a process of its own (so that allocator state, buffer pools and loaded models of one
+    benchmark cannot change the figures of the next) and collect its report."""
     print(f"== {name} ...", flush=True)
     started = time.perf_counter()
-    with CpuShare() as share:
-        try:
-            report, error = BENCHES[name](quick), ""
-        except Exception:  # noqa: BLE001 - a failing benchmark is reported, the others still run
-            report, error = None, traceback.format_exc()
-    section = Section(name, report, time.perf_counter() - started, share.others, error)
-    print(report.markdown() if report else error, flush=True)
-    return section
+    with tempfile.TemporaryDirectory() as tmp, CpuShare() as share:
+        out = pathlib.Path(tmp) / f"{name}.json"
+        command = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--json", str(out), *(["--quick"] if quick else [])]
+        done = subprocess.run(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        report = Report.from_json(out.read_text()) if done.returncode == 0 and out.exists() else None
+    error = "" if report is not None else f"exit status {done.returncode}\n{done.stderr[-4000:]}"
+    if error:
+        print(error, file=sys.stderr, flush=True)
+    return Section(name, report, time.perf_counter() - started, share.others, error)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -98,7 +93,7 @@ def run_bench(name: str, quick: bool) -> Section:
 def _git(*args: str) -> str:
     try:
         out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True)
-        return out.stdout.strip()
+        return out.stdout.rstrip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -125,7 +120,7 @@ def environment() -> list[tuple[str, str]]:
 
     import ckpt_plugin
 
-    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    commit = _git("rev-parse", "--short", "HEAD").strip() or "unknown"
     dirty = _git("status", "--porcelain", "--", "ckpt_plugin")
     changed = ", ".join(line[3:] for line in dirty.splitlines()) if dirty else "none"
     return [
@@ -133,7 +128,7 @@ def environment() -> list[tuple[str, str]]:
         ("CPU model", cpu_model()),
         ("memory", memory_total()),
         ("kernel", platform.release()),
-        ("transparent huge pages", micro.thp_setting()),
+        ("transparent huge pages", thp_setting()),
         ("python", platform.python_version()),
         ("llama-cpp-python", llama_cpp.__version__),
         ("llama.cpp system info", llama_cpp.llama_print_system_info().decode().strip().rstrip("|").strip()),
@@ -164,7 +159,7 @@ PLACEHOLDERS = """\
 ## Speculative
 
 > **Placeholder: not part of this run.** Tokens/s and acceptance rate with and without checkpoint restore of the draft
-> model are measured by the speculative benchmark, not by `bench/run_all.py` yet.
+> model are measured by the speculative benchmark (`bench/speculative.py`), not by `bench/run_all.py` yet.
 """
 
 
@@ -180,14 +175,14 @@ def summary(sections: list[Section]) -> str:
 
 
 def render(sections: list[Section], command: str, quick: bool, started: datetime.datetime, seconds: float) -> str:
-    env_rows = [[k, v] for k, v in environment()]
+    env_rows = [[k, v.replace("|", "/")] for k, v in environment()]
     load_rows = [[s.name, fmt_ms(s.seconds), f"{s.others_cpu:.0%}"] for s in sections]
     parts = [
         INTRO,
         "## This run",
         f"Command: `{command}`{' (quick: fewer repeats)' if quick else ''}; started {started:%Y-%m-%d %H:%M} UTC, "
         f"took {fmt_ms(seconds)}.",
-        markdown_table(["", ""], env_rows),
+        markdown_table(["machine / software", "this run"], env_rows),
         markdown_table(["benchmark", "wall time", "CPU used by other processes"], load_rows),
         "## Key figures",
         summary(sections),
@@ -196,7 +191,7 @@ def render(sections: list[Section], command: str, quick: bool, started: datetime
         if section.report is not None:
             parts.append(section.report.markdown().rstrip())
         else:
-            parts.append(f"## {section.name}: FAILED\n\n```\n{section.error.rstrip()}\n```")
+            parts.append(f"## {section.name}: FAILED\n\n```\n{section.error.strip()}\n```")
     parts.append(PLACEHOLDERS.rstrip())
     return "\n\n".join(parts) + "\n"
 
@@ -204,11 +199,11 @@ def render(sections: list[Section], command: str, quick: bool, started: datetime
 def main() -> int:
     parser = argparse.ArgumentParser(description="Run the benchmarks and write docs/benchmarks.md.")
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--only", action="append", choices=sorted(BENCHES), help="run only this benchmark")
+    parser.add_argument("--only", action="append", choices=BENCHES, help="run only this benchmark (repeatable)")
     parser.add_argument("--output", type=pathlib.Path, default=OUTPUT, help="markdown file to write")
     args = parser.parse_args()
     started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
-    sections = [run_bench(name, args.quick) for name in (args.only or list(BENCHES))]
+    sections = [run_bench(name, args.quick) for name in (args.only or BENCHES)]
     command = " ".join([".venv/bin/python", "bench/run_all.py", *sys.argv[1:]])
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(render(sections, command, args.quick, started, time.perf_counter() - t0))

@@ -46,11 +46,12 @@ class CheckpointSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CKPT_", extra="forbid", validate_assignment=True)
 
     max_checkpoints: int = Field(32, ge=0, description="Checkpoints kept per slot (llama.cpp: n_ctx_checkpoints).")
-    checkpoint_min_step: int = Field(
-        256,
+    checkpoint_min_step: int | None = Field(
+        None,
         ge=1,
-        description="Minimum spacing in tokens of checkpoints inside a prompt (llama.cpp: 8192, sized for long "
-        "contexts; 256 keeps the re-evaluation after a deep edit small on the contexts this runs on).",
+        description="Minimum spacing in tokens of checkpoints inside a prompt; None picks it by memory kind: 256 for "
+        "sliding-window models (a checkpoint holds the window, 7.9 MB on Gemma-3-270M), 64 for recurrent and "
+        "hybrid models (a checkpoint holds only the recurrent state). llama.cpp uses 8192, sized for long contexts.",
     )
     cache_max_bytes: int = Field(DEFAULT_MAX_BYTES, ge=0, description="Prompt-cache byte budget (unique bytes).")
     cache_max_tokens: int | None = Field(None, ge=0, description="Prompt-cache token budget; None for none.")

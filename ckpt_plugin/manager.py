@@ -33,6 +33,7 @@ from .policy import (
     best_reuse,
     checkpoints_to_erase,
     common_prefix,
+    default_min_step,
     pause_points,
     want_checkpoint,
 )
@@ -224,7 +225,8 @@ class CheckpointManager:
         self.backend = backend
         self.kind = backend.kind
         self.fingerprint = backend.fingerprint
-        self.rules = CheckpointRules(self.settings.max_checkpoints, self.settings.checkpoint_min_step)
+        min_step = self.settings.checkpoint_min_step or default_min_step(self.kind)
+        self.rules = CheckpointRules(self.settings.max_checkpoints, min_step)
         self.cache = cache if cache is not None else PromptCache(
             self.settings.cache_max_bytes, self.settings.cache_max_tokens
         )
@@ -587,6 +589,7 @@ class CheckpointManager:
 
     def _cut(self, n_keep: int) -> None:
         """Truncate the memory to ``n_keep`` tokens."""
+        self._full_capture = None
         if n_keep == 0:
             self.backend.clear()
         elif not self.backend.truncate(n_keep):
@@ -620,6 +623,8 @@ class CheckpointManager:
             if rewritten_from is not None:
                 self._invalidate_after(rewritten_from)
             self.counters.tokens_evaluated += len(chunk)
+            # The last full capture describes the old memory: do not keep its bytes alive for nothing.
+            self._full_capture = None
             if a < prompt_end:
                 self.call_hook("on_prompt_processed", manager=self, slot=slot, start=a, end=b, prompt_end=prompt_end)
 

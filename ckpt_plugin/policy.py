@@ -83,6 +83,12 @@ class CheckpointRules:
     min_step: int = 256
 
 
+def default_min_step(kind: MemoryKind) -> int:
+    """Checkpoint spacing when the settings leave it open: dense where checkpoints are small (recurrent states),
+    sparser where they hold a sliding window."""
+    return 64 if kind.recurrent else 256
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two 1-D integer arrays (vectorized)."""
     n = min(len(a), len(b))
