@@ -105,3 +105,25 @@ def test_recurrent_targets_are_refused(make_llama: Any) -> None:
     manager = ckpt_plugin.attach(target, load_entrypoints=False)
     with pytest.raises(ckpt_plugin.UnsupportedHostError, match="rolled back"):
         enable_speculative(target, manager, make_llama("mamba"))
+
+
+@pytest.mark.gemma
+def test_gemma_is_its_own_draft(gemma_path: Any) -> None:
+    """Gemma-3-270M drafting for itself gives the answers of plain greedy decoding, across a cache switch."""
+    from llama_cpp import Llama
+
+    options = dict(n_ctx=1024, n_batch=256, n_threads=2, swa_full=False, verbose=False, seed=0)
+    target = Llama(str(gemma_path), logits_all=True, **options)
+    reference = Llama(str(gemma_path), **options)
+    manager = ckpt_plugin.attach(target, load_entrypoints=False)
+    draft = enable_speculative(target, manager, Llama(str(gemma_path), **options), n_draft=4)
+    rng = np.random.default_rng(3)
+    body = [2, *rng.integers(1000, 20000, 150).tolist()]
+    first, other = body + body[1:], [2, *rng.integers(1000, 20000, 200).tolist()]
+    for prompt in (first, other, first + body[1:9]):
+        gaps: list[float] = []
+        want = fresh_greedy_tokens(reference, prompt, 12, gaps)
+        assert_same_answer(greedy_tokens(target, prompt, 12), want, gaps, f"gemma {len(prompt)}")
+    assert draft.acceptance > 0.3 and manager.counters.cache_hits >= 1
+    for llama in (target, reference, draft.llama):
+        llama.close()
