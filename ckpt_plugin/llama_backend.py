@@ -24,7 +24,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache
-from llama_cpp.llama_speculative import LlamaDraftModel
+from llama_cpp.llama_speculative import LlamaDraftModel  # noqa: F401  (the base class speculative.py subclasses)
 
 from .cache import CacheEntry, PromptCache
 from .config import CheckpointSettings

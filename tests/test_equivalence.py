@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import ckpt_plugin
 from ckpt_plugin.policy import common_prefix
-from ckpt_plugin.testing import NOISE, assert_same_answer, fresh_greedy_tokens, greedy_tokens
+from ckpt_plugin.testing import assert_same_answer, fresh_greedy_tokens, greedy_tokens
 
 N_GENERATE = 4
 MIN_STEP = 16
