@@ -634,18 +634,10 @@ def _summarize(results: dict) -> None:
         }
     by_key = {s["key"]: s["summary"] for s in results["servers"]}
     ratios = {}
-    if "b" in by_key and "c" in by_key:
-        ratios["b_over_c"] = ratio(by_key["b"]["ttft_later_median"], by_key["c"]["ttft_later_median"])
-    if "a" in by_key and "c" in by_key:
-        ratios["a_over_c"] = ratio(by_key["a"]["ttft_later_median"], by_key["c"]["ttft_later_median"])
-    if "c" in by_key and "d" in by_key:
-        ratios["c_over_d"] = ratio(by_key["c"]["ttft_later_median"], by_key["d"]["ttft_later_median"])
-    if "e" in by_key and "f" in by_key:
-        ratios["e_over_f"] = ratio(by_key["e"]["ttft_later_median"], by_key["f"]["ttft_later_median"])
-    if "f" in by_key and "d" in by_key:
-        ratios["f_over_d"] = ratio(by_key["f"]["ttft_later_median"], by_key["d"]["ttft_later_median"])
-    if "a" in by_key and "e" in by_key:
-        ratios["a_over_e"] = ratio(by_key["a"]["ttft_later_median"], by_key["e"]["ttft_later_median"])
+    for slower, faster in ("bc", "ac", "cd", "ef", "fd", "ae"):
+        if slower in by_key and faster in by_key:
+            ratios[f"{slower}_over_{faster}"] = ratio(by_key[slower]["ttft_later_median"],
+                                                      by_key[faster]["ttft_later_median"])
     results["ratios"] = ratios
 
 

@@ -395,11 +395,10 @@ class CheckpointManager:
                        n_tokens=self.slot.n_tokens)
         return self.slot.n_tokens
 
-    def save_to_cache(self, namespace: str | None = None) -> CacheEntry | None:
-        """Put the slot's state into the prompt cache; return the entry, or ``None`` if it was not admitted."""
+    def save_to_cache(self) -> CacheEntry | None:
+        """Put the slot's state into the prompt cache (in the slot's namespace); return the entry, or ``None`` if it
+        was not admitted."""
         entry = self.save()
-        if namespace is not None:
-            entry.namespace = namespace
         return entry if self._insert(entry) else None
 
     def _insert(self, entry: CacheEntry) -> bool:

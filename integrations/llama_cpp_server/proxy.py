@@ -42,8 +42,7 @@ class CheckpointLlamaProxy(LlamaProxy):
         alias = model if model in self._model_settings_dict else self._default_model_alias
         if alias != self._current_model_alias:
             for manager in self.managers.values():
-                if manager.slot.n_tokens >= manager.settings.cache_min_tokens:
-                    manager.save_to_cache()
+                manager.flush()
             self.managers = {}
         return super().__call__(model)
 
