@@ -17,8 +17,21 @@ from .cache import DEFAULT_MAX_BYTES, CacheEntry, PromptCache, RadixIndex
 from .checkpoint import Checkpoint, ExtraState, StateBuffer, StateBufferPool
 from .config import CheckpointSettings, ServeSettings
 from .disk_tier import DiskTier
-from .errors import CheckpointError, IncompatibleStateError, PluginError, UnsupportedHostError
-from .persist import CorruptFileError, UnsafePathError, read_entry, safe_path, write_entry
+from .errors import (
+    CaptureError,
+    CheckpointError,
+    ConfigError,
+    CorruptFileError,
+    EmptySlotError,
+    ForeignNamespaceError,
+    IncompatibleStateError,
+    PluginError,
+    SlotFileNotFoundError,
+    StateRestoreError,
+    UnsafePathError,
+    UnsupportedHostError,
+)
+from .persist import read_entry, safe_path, write_entry
 from .hooks import PROJECT_NAME, hookimpl, hookspec
 from .manager import Backend, CheckpointManager, Counters, Slot
 from .policy import CheckpointRules, MemoryKind
@@ -39,6 +52,9 @@ _LAZY = {
     "NgramStatePlugin": "speculative",
     "enable_speculative": "speculative",
     "CheckpointMiddleware": "middleware",
+    "BodyLimitMiddleware": "body_limit",
+    "CheckpointRoutes": "routes",
+    "Tenants": "tenants",
 }
 
 
@@ -53,6 +69,15 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BodyLimitMiddleware",
+    "CaptureError",
+    "CheckpointRoutes",
+    "ConfigError",
+    "EmptySlotError",
+    "ForeignNamespaceError",
+    "SlotFileNotFoundError",
+    "StateRestoreError",
+    "Tenants",
     "CheckpointMiddleware",
     "CorruptFileError",
     "DiskTier",

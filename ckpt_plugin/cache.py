@@ -9,10 +9,12 @@ never consumes one, it stays valid for the next request.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -183,8 +185,25 @@ class RadixIndex:
         return found[: max_candidates + 1]
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """Run ``method`` under the cache's own lock: several managers (threads) may share one cache."""
+
+    @functools.wraps(method)
+    def wrapper(self: PromptCache, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 class PromptCache:
     """A RAM prompt cache with byte and token budgets, shared-buffer accounting and LRU eviction.
+
+    Safe to share between threads: every public method runs under the cache's own (reentrant) lock, held only for
+    the bookkeeping, never while a model evaluates.
 
     :param max_bytes: Byte budget for the unique buffers held.
     :param max_tokens: Token budget (sum of entry lengths), ``None`` for none.
@@ -203,13 +222,16 @@ class PromptCache:
         self._buffers: dict[int, list] = {}
         self.resident_bytes = 0
         self.n_tokens = 0
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._lru)
 
-    def entries(self) -> list[CacheEntry]:
-        """All entries, least recently used first."""
-        return list(self._lru.values())
+    @_locked
+    def entries(self, namespace: str | None = None) -> list[CacheEntry]:
+        """All entries (of ``namespace`` only, if given), least recently used first."""
+        entries = list(self._lru.values())
+        return entries if namespace is None else [e for e in entries if e.namespace == namespace]
 
     def _index(self, namespace: str, fingerprint: str) -> RadixIndex:
         key = (namespace, fingerprint)
@@ -218,11 +240,13 @@ class PromptCache:
             index = self._indexes[key] = RadixIndex()
         return index
 
+    @_locked
     def new_bytes(self, entry: CacheEntry) -> int:
         """Bytes ``entry`` would add: its buffers the cache does not hold yet."""
         unique = {id(b): b for b in entry.buffers()}
         return sum(int(b.nbytes) for key, b in unique.items() if key not in self._buffers)
 
+    @_locked
     def lookup(
         self, namespace: str, fingerprint: str, prompt: np.ndarray, max_candidates: int = 8
     ) -> list[tuple[CacheEntry, int]]:
@@ -232,16 +256,19 @@ class PromptCache:
             return []
         return index.lookup(prompt, max_candidates)
 
+    @_locked
     def contains(self, entry: CacheEntry) -> bool:
         """Whether ``entry`` (this very object) is in the cache."""
         return id(entry) in self._lru
 
+    @_locked
     def touch(self, entry: CacheEntry) -> None:
         """Mark ``entry`` as just used."""
         if id(entry) in self._lru:
             self._lru.move_to_end(id(entry))
             entry.hits += 1
 
+    @_locked
     def insert(
         self,
         entry: CacheEntry,
@@ -297,6 +324,7 @@ class PromptCache:
             return True
         return self.max_tokens is not None and self.n_tokens + n_tokens > self.max_tokens
 
+    @_locked
     def remove(self, entry: CacheEntry) -> None:
         """Drop ``entry`` from the cache (its buffers stay alive for other holders)."""
         if id(entry) not in self._lru:
@@ -326,13 +354,15 @@ class PromptCache:
                     del self._buffers[key]
                     self.resident_bytes -= int(buffer.nbytes)
 
-    def clear(self) -> list[CacheEntry]:
-        """Drop every entry; return them."""
-        entries = self.entries()
+    @_locked
+    def clear(self, namespace: str | None = None) -> list[CacheEntry]:
+        """Drop every entry (of ``namespace`` only, if given); return them."""
+        entries = self.entries(namespace)
         for entry in entries:
             self.remove(entry)
         return entries
 
+    @_locked
     def resize(self, max_bytes: int) -> list[CacheEntry]:
         """Change the byte budget, evicting least recently used entries to fit; return the evicted ones."""
         if max_bytes < 0:

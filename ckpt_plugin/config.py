@@ -6,7 +6,7 @@ import os
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .cache import DEFAULT_MAX_BYTES
@@ -104,8 +104,26 @@ class ServeSettings(CheckpointSettings):
     )
     draft_n: int = Field(4, ge=1, le=64, description="Tokens drafted per step by the draft model.")
     slot_save_path: str | None = Field(
-        None, description="Directory of slot files for POST /slots/{id}?action=save|restore|erase; off when unset."
+        None,
+        description="Directory of slot files for POST /slots/{id}?action=save|restore|erase; off when unset. With "
+        "namespaces on, each tenant's files live in a subdirectory of their own.",
     )
+    admin_key: SecretStr | None = Field(
+        None,
+        description="Operator key: a bearer token that passes the host's API key check on admin, metrics and slot "
+        "routes, sees every namespace in GET /checkpoints, and may read /checkpoints/stats when namespaces are on.",
+    )
+    max_body_bytes: int = Field(
+        32 << 20, ge=1024, description="Largest request body accepted on any route (413 above it)."
+    )
+    shutdown_timeout: float = Field(
+        5.0, ge=0, description="Seconds ckpt-serve waits for requests in flight on SIGTERM before closing them."
+    )
+
+    @field_validator("max_body_bytes", mode="before")
+    @classmethod
+    def _body_size(cls, value: int | str) -> int:
+        return parse_size(value)
 
     @model_validator(mode="after")
     def _header_named(self) -> "ServeSettings":

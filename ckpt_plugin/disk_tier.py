@@ -8,19 +8,22 @@ go first. A file that fails validation is moved aside (``.corrupt``) and never l
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import pathlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
 from .cache import CacheEntry, RadixIndex
-from .errors import CheckpointError
-from .persist import CorruptFileError, read_entry, read_header, write_entry
+
+from .errors import CheckpointError, CorruptFileError
+from .persist import read_entry, read_header, remove_stale_temp_files, write_entry
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -39,6 +42,18 @@ class DiskRecord:
     _node: Any = field(default=None, repr=False)
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    @functools.wraps(method)
+    def wrapper(self: DiskTier, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 class DiskTier:
     """Prompt-cache entries in ``directory``, within ``max_bytes``.
 
@@ -53,8 +68,8 @@ class DiskTier:
         self._indexes: dict[tuple[str, str], RadixIndex] = {}
         self._records: OrderedDict[pathlib.Path, DiskRecord] = OrderedDict()
         self.resident_bytes = 0
-        self.loads = 0
-        self.writes = 0
+        # Several managers (threads) may share one tier; held for bookkeeping and one file write or map at a time.
+        self._lock = threading.RLock()
         self._scan()
 
     def __len__(self) -> int:
@@ -96,6 +111,7 @@ class DiskTier:
         digest.update(np.ascontiguousarray(entry.tokens, dtype="<i4").tobytes())
         return digest.hexdigest()[:40] + SUFFIX
 
+    @_locked
     def store(self, entry: CacheEntry) -> bool:
         """Write ``entry`` (unless a file of the same tokens exists); return whether it is on disk now."""
         path = self.directory / self.file_name(entry)
@@ -110,7 +126,6 @@ class DiskTier:
         except OSError as exc:
             log.warning("disk tier: could not write %s: %s", path.name, exc)
             return False
-        self.writes += 1
         tokens = np.array(entry.tokens, dtype=np.int32)
         tokens.flags.writeable = False
         self._add(DiskRecord(path, tokens, entry.namespace, entry.fingerprint, size))
@@ -119,6 +134,7 @@ class DiskTier:
             self._remove(oldest)
         return True
 
+    @_locked
     def lookup(self, namespace: str, fingerprint: str, prompt: np.ndarray) -> list[tuple[DiskRecord, int]]:
         """Records sharing the longest prefixes with ``prompt`` (see :meth:`RadixIndex.lookup`)."""
         index = self._indexes.get((namespace, fingerprint))
@@ -126,6 +142,7 @@ class DiskTier:
             return []
         return index.lookup(prompt)  # type: ignore[return-value]
 
+    @_locked
     def load(self, record: DiskRecord) -> CacheEntry | None:
         """Map ``record``'s file; ``None`` (and the file moved aside) if it no longer validates."""
         try:
@@ -138,9 +155,9 @@ class DiskTier:
                 record.path.replace(record.path.with_suffix(".corrupt"))
             return None
         self._records.move_to_end(record.path)
-        self.loads += 1
         return entry
 
+    @_locked
     def clear(self) -> int:
         """Delete every entry file; return how many there were."""
         records = list(self._records.values())

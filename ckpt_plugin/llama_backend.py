@@ -18,14 +18,17 @@ import ctypes
 import hashlib
 import inspect
 import os
+import threading
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import llama_cpp
 import numpy as np
 from llama_cpp.llama import Llama, LlamaState
-from llama_cpp.llama_cache import BaseLlamaCache
+from llama_cpp.llama_cache import BaseLlamaCache, LlamaDiskCache
 from llama_cpp.llama_speculative import LlamaDraftModel  # noqa: F401  (the base class speculative.py subclasses)
 
+from . import host_compat as host
 from .cache import CacheEntry, PromptCache
 from .config import CheckpointSettings
 from .disk_tier import DiskTier
@@ -211,7 +214,7 @@ class HostPromptCache(BaseLlamaCache):
         entry = self._best(key)
         if entry is None:
             raise KeyError("no cached prompt shares a prefix with this key")
-        return SharedLlamaState(entry, self._llama._seed)
+        return SharedLlamaState(entry, host.seed(self._llama))
 
     def __contains__(self, key: Sequence[int]) -> bool:
         return self._best(key) is not None
@@ -219,22 +222,77 @@ class HostPromptCache(BaseLlamaCache):
     def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
         if not isinstance(value, SharedLlamaState):
             raise TypeError("only states from an attached Llama's save_state() can be cached here")
-        self.manager._insert(value.entry)
+        with self.manager.lock:
+            self.manager.admit(value.entry)
+
+
+_HOST_CACHE_TIERS: "weakref.WeakKeyDictionary[BaseLlamaCache, tuple[PromptCache, DiskTier | None]]" = (
+    weakref.WeakKeyDictionary()
+)
+_HOST_CACHE_TIERS_LOCK = threading.Lock()
+
+
+def _tiers_for_host_cache(
+    cache: BaseLlamaCache, settings: CheckpointSettings
+) -> tuple[PromptCache, DiskTier | None]:
+    """The prompt cache (and disk tier) standing for one host cache object, shared by every ``Llama`` given it.
+
+    ``LlamaRAMCache(capacity_bytes)`` becomes a RAM prompt cache of that budget; ``LlamaDiskCache(cache_dir,
+    capacity_bytes)`` a disk tier in ``cache_dir`` of that budget, in front of a RAM cache of the manager's budget.
+    Entries of different models stay apart through their fingerprints, as in the host's own cache.
+    """
+    with _HOST_CACHE_TIERS_LOCK:
+        tiers = _HOST_CACHE_TIERS.get(cache)
+        if tiers is None:
+            capacity = int(getattr(cache, "capacity_bytes", settings.cache_max_bytes))
+            if isinstance(cache, LlamaDiskCache):
+                directory = os.path.join(cache.cache.directory, "ckpt_plugin")
+                tiers = (PromptCache(settings.cache_max_bytes, settings.cache_max_tokens),
+                         DiskTier(directory, capacity))
+            else:
+                tiers = (PromptCache(capacity, settings.cache_max_tokens), None)
+            _HOST_CACHE_TIERS[cache] = tiers
+        return tiers
+
+
+class _Generation:
+    """One call of the host's ``generate``: the prompt boundary its evaluations need.
+
+    Only the generation itself writes to this object, so an abandoned generation that the garbage collector closes
+    later, from whatever thread, changes nothing anybody else reads.
+    """
+
+    __slots__ = ("prompt_end", "finished")
+
+    def __init__(self) -> None:
+        self.prompt_end: int | None = None
+        self.finished = False
 
 
 class _Attachment:
-    """The patches installed on one ``Llama`` and what they replaced."""
+    """The patches installed on one ``Llama`` and what they replaced.
+
+    Ownership (``docs/design.md``, "Who owns the slot"): the manager's lock is held only inside the synchronous
+    calls below (prepare, one ``eval``, ``save_state``, ``load_state``), never across a ``yield`` to the host. The
+    latest generation owns the slot; one the host stopped iterating (a dropped client, an interrupted stream) owns
+    nothing once a newer one starts, and the memory itself tells the next request what is in it.
+    """
 
     def __init__(self, llama: Llama, manager: CheckpointManager) -> None:
         self.llama = llama
         self.manager = manager
         self.saved = {name: llama.__dict__[name] for name in _PATCHED if name in llama.__dict__}
         self.saved_cache = llama.cache
-        self.prompt_end: int | None = None
-        self.generating = False
+        self.current: _Generation | None = None
         self._generate = type(llama).generate.__get__(llama)
         self._load_state = type(llama).load_state.__get__(llama)
         self._generate_signature = inspect.signature(type(llama).generate)
+
+    @property
+    def prompt_end(self) -> int | None:
+        """Prompt length of the generation that owns the slot, ``None`` outside a generation."""
+        current = self.current
+        return current.prompt_end if current is not None and not current.finished else None
 
     def install(self) -> None:
         llama = self.llama
@@ -256,17 +314,11 @@ class _Attachment:
         llama.__dict__.pop(_MANAGER_ATTR, None)
 
     def _sync_host(self, n_keep: int, tokens: np.ndarray) -> None:
-        llama = self.llama
-        llama.input_ids[:n_keep] = tokens[:n_keep]
-        llama.n_tokens = n_keep
-        llama._requires_eval = True
+        host.set_evaluated_prefix(self.llama, tokens, n_keep)
 
     # -- patched methods --------------------------------------------------------------------------------------------
 
     def eval(self, tokens: Sequence[int]) -> None:
-        if self.generating:
-            self._eval(tokens)
-            return
         with self.manager.lock:
             self._eval(tokens)
 
@@ -281,7 +333,9 @@ class _Attachment:
             n_keep = manager.prepare(wanted)
             self._sync_host(n_keep, wanted)
             new = wanted[n_keep:]
-        prompt_end = self.prompt_end if self.prompt_end is not None else llama.n_tokens + len(new)
+        prompt_end = self.prompt_end
+        if prompt_end is None:
+            prompt_end = llama.n_tokens + len(new)
         manager.process(new, prompt_end)
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
@@ -292,41 +346,41 @@ class _Attachment:
     def _generate_with_prepare(
         self, tokens: list[int], reset: bool, args: tuple, kwargs: dict
     ) -> Iterator[int]:
-        # A plain Lock, not an RLock: the host may resume this generator from another worker thread.
-        self.manager.lock.acquire()
-        self.generating = True
-        try:
+        generation = _Generation()
+        with self.manager.lock:
+            # The newest generation owns the slot: an older one the host abandoned mid-stream is simply superseded.
+            self.current = generation
             if reset and tokens:
                 prompt = np.asarray(tokens, dtype=np.int32)
                 n_keep = self.manager.prepare(prompt)
                 self._sync_host(n_keep, prompt)
-            self.prompt_end = len(tokens) if reset else self.llama.n_tokens + len(tokens)
+            generation.prompt_end = len(tokens) if reset else self.llama.n_tokens + len(tokens)
+        try:
             yield from self._generate(tokens, *args, **kwargs)
         finally:
-            self.prompt_end = None
-            self.generating = False
-            self.manager.lock.release()
+            generation.finished = True
 
     def save_state(self) -> SharedLlamaState:
-        self.manager.reconcile()
-        return SharedLlamaState(self.manager.save(), self.llama._seed)
+        with self.manager.lock:
+            self.manager.reconcile()
+            return SharedLlamaState(self.manager.save(), host.seed(self.llama))
 
     def load_state(self, state: LlamaState) -> None:
-        if isinstance(state, SharedLlamaState):
-            n_keep = self.manager.load(state.entry)
-            self._sync_host(n_keep, state.entry.tokens)
-            self.llama._seed = state.seed
-            return
-        self._load_state(state)
-        self.manager.adopt_memory(np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32))
+        with self.manager.lock:
+            if isinstance(state, SharedLlamaState):
+                n_keep = self.manager.load(state.entry)
+                self._sync_host(n_keep, state.entry.tokens)
+                host.set_seed(self.llama, state.seed)
+                return
+            self._load_state(state)
+            self.manager.adopt_memory(np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32))
 
     def set_cache(self, cache: BaseLlamaCache | None) -> None:
         if cache is None or isinstance(cache, HostPromptCache):
             self.llama.cache = cache
             return
-        capacity = getattr(cache, "capacity_bytes", None)
-        if capacity is not None:
-            self.manager.resize_cache(int(capacity))
+        with self.manager.lock:
+            self.manager.use_shared_tiers(*_tiers_for_host_cache(cache, self.manager.settings))
         self.llama.cache = HostPromptCache(self.manager, self.llama)
 
 
@@ -363,8 +417,9 @@ def attach(
     :param settings: :class:`~ckpt_plugin.config.CheckpointSettings`; keyword arguments override fields.
     :param cache: A :class:`~ckpt_plugin.cache.PromptCache` shared with other managers of the same model.
     :param disk: A :class:`~ckpt_plugin.disk_tier.DiskTier` shared likewise.
-    :raises UnsupportedHostError: ``llama`` is not a ``Llama``, is already attached, serves embeddings, or
-        llama-cpp-python is outside the tested versions; nothing is patched then.
+    :raises UnsupportedHostError: ``llama`` is not a ``Llama``, is already attached, serves embeddings, has no
+        context (``vocab_only=True``, or closed), or llama-cpp-python is outside the tested versions; nothing is
+        patched then.
     """
     if not isinstance(llama, Llama):
         raise UnsupportedHostError(f"attach() needs a llama_cpp.Llama, got {type(llama).__name__}")
@@ -379,8 +434,8 @@ def attach(
         raise UnsupportedHostError("this Llama is already attached; detach() it first")
     if llama.context_params.embeddings:
         raise UnsupportedHostError("embedding contexts have no generation state to checkpoint")
-    if getattr(llama, "_ctx", None) is None or llama_cpp.llama_get_memory(llama.ctx) is None:
-        raise UnsupportedHostError("this Llama has no context memory (closed, or created without one)")
+    if not host.has_context(llama) or llama_cpp.llama_get_memory(llama.ctx) is None:
+        raise UnsupportedHostError("this Llama has no context memory (vocab_only, closed, or created without one)")
     manager = CheckpointManager(LlamaBackend(llama), settings, cache=cache, disk=disk, **overrides)
     attachment = _Attachment(llama, manager)
     attachment.install()

@@ -22,7 +22,14 @@ from .cache import CacheEntry, PromptCache
 from .checkpoint import Checkpoint, ExtraState, allocate_state_buffer, freeze
 from .config import CheckpointSettings
 from .disk_tier import DiskTier
-from .errors import IncompatibleStateError, PluginError
+from .errors import (
+    CaptureError,
+    EmptySlotError,
+    ForeignNamespaceError,
+    IncompatibleStateError,
+    PluginError,
+    StateRestoreError,
+)
 from .persist import read_entry, write_entry
 from .hooks import PROJECT_NAME, hookimpl
 from .request import current_request
@@ -164,6 +171,7 @@ class Counters:
     bytes_restored: int = 0
     restore_seconds: float = 0.0
     disk_hits: int = 0
+    restore_failures: int = 0
     draft_dropped: int = 0
 
 
@@ -323,9 +331,8 @@ class CheckpointManager:
         read = int(self.backend.write_state(checkpoint.target, checkpoint.partial))
         if read != checkpoint.target.nbytes:
             # llama.cpp leaves the sequence undefined after a failed load: start from an empty one.
-            self.backend.clear()
-            self._drop_slot_state("cleared")
-            raise IncompatibleStateError(
+            self._clear_slot()
+            raise StateRestoreError(
                 f"llama.cpp refused the state ({read} of {checkpoint.target.nbytes} bytes read); the slot was cleared"
             )
         self.counters.bytes_restored += read
@@ -348,10 +355,16 @@ class CheckpointManager:
         self.counters.checkpoints_erased += 1
         self.call_hook("on_checkpoint_erased", manager=self, slot=self.slot, checkpoint=checkpoint, reason=reason)
 
+    def _clear_slot(self) -> None:
+        """Empty the memory and the slot (tokens, checkpoints, the cached full capture)."""
+        self.backend.clear()
+        self._drop_slot_state("cleared")
+
     def _drop_slot_state(self, reason: str) -> None:
         slot = self.slot
         dropped, slot.checkpoints = slot.checkpoints, []
         slot._set(slot.tokens[:0])
+        self._full_capture = None
         for checkpoint in dropped:
             self._erased(checkpoint, reason)
 
@@ -366,7 +379,7 @@ class CheckpointManager:
         else:
             captured = self._capture(partial=False)
             if captured is None:
-                raise MemoryError("the slot's state could not be captured")
+                raise CaptureError("the slot's state could not be captured")
             state = captured
             self._full_capture = (slot.version, state)
         tokens = slot.tokens.copy()
@@ -399,9 +412,22 @@ class CheckpointManager:
         """Put the slot's state into the prompt cache (in the slot's namespace); return the entry, or ``None`` if it
         was not admitted."""
         entry = self.save()
-        return entry if self._insert(entry) else None
+        return entry if self.admit(entry) else None
 
-    def _insert(self, entry: CacheEntry) -> bool:
+    def use_shared_tiers(self, cache: PromptCache, disk: DiskTier | None = None) -> None:
+        """Serve from ``cache`` (and ``disk``) from now on, e.g. a cache shared with other managers; the entries of
+        the cache used so far move over (within the new budget)."""
+        if cache is not self.cache:
+            old, self.cache = self.cache, cache
+            for entry in old.clear():
+                self.admit(entry, write_through=False)
+        if disk is not None:
+            self.disk = disk
+
+    def admit(self, entry: CacheEntry, write_through: bool = True) -> bool:
+        """Offer ``entry`` to the prompt cache through the ``on_cache_alloc`` veto and ``select_cache_victims``
+        (evictions fire ``on_cache_evict``), and write it through to the disk tier; return whether a tier holds it.
+        """
         admitted, removed = self.cache.insert(
             entry,
             admit=lambda n_bytes: self.call_hook(
@@ -415,7 +441,7 @@ class CheckpointManager:
             self._note_evictions([victim], reason)
         if admitted:
             self.counters.cache_saves += 1
-        if self.disk is not None:
+        if self.disk is not None and write_through:
             admitted = self.disk.store(entry) or admitted
         return admitted
 
@@ -425,9 +451,9 @@ class CheckpointManager:
                 self.counters.cache_evictions += 1
             self.call_hook("on_cache_evict", manager=self, entry=entry, reason=reason)
 
-    def clear_cache(self) -> int:
-        """Drop every prompt-cache entry; return how many there were."""
-        entries = self.cache.clear()
+    def clear_cache(self, namespace: str | None = None) -> int:
+        """Drop every prompt-cache entry (of ``namespace`` only, if given); return how many there were."""
+        entries = self.cache.clear(namespace)
         self._note_evictions(entries, "cleared")
         return len(entries)
 
@@ -492,42 +518,40 @@ class CheckpointManager:
             return
         if slot.n_tokens >= self.settings.cache_min_tokens:
             self.save_to_cache()
-        self.backend.clear()
-        self._drop_slot_state("cleared")
-        self._full_capture = None
+        self._clear_slot()
         slot.namespace = namespace
 
-    def plan(self, prompt: np.ndarray) -> tuple[CacheEntry | None, Reuse, Reuse]:
-        """How ``prompt`` would be served: ``(cache entry or None, chosen reuse, reuse of the live memory)``."""
+    def plan(self, prompt: np.ndarray) -> tuple[CacheEntry | None, Reuse, Reuse, bool]:
+        """How ``prompt`` would be served: ``(entry or None, chosen reuse, reuse of the live memory, from disk)``.
+
+        Changes nothing but the disk tier's mappings: counting, promotion and restores are :meth:`prepare`'s.
+        """
         slot = self.slot
         limit = max(len(prompt) - 1, 0)
         live = best_reuse(
             self.kind, slot.lineage, slot.n_tokens, int(self.backend.pos_min()), slot.checkpoints, prompt, limit
         )
-        chosen_entry, chosen = None, live
+        chosen_entry, chosen, from_disk = None, live, False
+
+        def consider(entry: CacheEntry) -> bool:
+            nonlocal chosen_entry, chosen
+            reuse = best_reuse(self.kind, entry.tokens, entry.n_tokens, entry.pos_min, entry.checkpoints, prompt, limit)
+            if reuse.n_keep <= chosen.n_keep:
+                return False
+            chosen_entry, chosen = entry, reuse
+            return True
+
         if live.n_keep < limit:
             for entry, _ in self.cache.lookup(slot.namespace, self.fingerprint, prompt):
-                reuse = best_reuse(
-                    self.kind, entry.tokens, entry.n_tokens, entry.pos_min, entry.checkpoints, prompt, limit
-                )
-                if reuse.n_keep > chosen.n_keep:
-                    chosen_entry, chosen = entry, reuse
+                consider(entry)
         if self.disk is not None and chosen.n_keep < limit:
             for record, n_common in self.disk.lookup(slot.namespace, self.fingerprint, prompt):
                 if min(n_common, limit) <= chosen.n_keep:
                     continue
                 entry = self.disk.load(record)
-                if entry is None:
-                    continue
-                reuse = best_reuse(
-                    self.kind, entry.tokens, entry.n_tokens, entry.pos_min, entry.checkpoints, prompt, limit
-                )
-                if reuse.n_keep > chosen.n_keep:
-                    chosen_entry, chosen = entry, reuse
-                    self.counters.disk_hits += 1
-                    # Back into RAM: the mapped pages are the buffers, nothing is copied.
-                    self.cache.insert(entry)
-        return chosen_entry, chosen, live
+                if entry is not None and consider(entry):
+                    from_disk = True
+        return chosen_entry, chosen, live, from_disk
 
     def prepare(self, prompt: Sequence[int] | np.ndarray) -> int:
         """Make the memory hold the longest prefix of ``prompt`` that can be served without evaluation.
@@ -543,33 +567,23 @@ class CheckpointManager:
         self._enter_namespace(self.current_namespace())
         self.counters.prompts += 1
         just_loaded = self._loaded_from_cache == slot.version
-        entry, chosen, live = self.plan(prompt)
+        entry, chosen, live, from_disk = self.plan(prompt)
+        if entry is not None and from_disk:
+            self.counters.disk_hits += 1
+            # Back into RAM through the same admission as any entry; the mapped pages are the buffers, no copy.
+            self.admit(entry, write_through=False)
         n_keep = chosen.n_keep
         kept_live = n_keep if entry is None else 0
         discarded = slot.n_tokens - kept_live
         if discarded >= self.settings.cache_min_discard and slot.n_tokens >= self.settings.cache_min_tokens:
             self.save_to_cache()
-        if entry is None and chosen.checkpoint is None:
-            if n_keep < slot.n_tokens:
-                self._cut(n_keep)
-        else:
-            started = time.perf_counter()
-            if entry is not None:
-                self.counters.cache_hits += 1
-                self.call_hook("on_cache_hit", manager=self, slot=slot, entry=entry, n_tokens=n_keep)
-                if not (self.kind.partial_is_complete and chosen.checkpoint is not None):
-                    self._restore(entry.state)
-                self.cache.touch(entry)
-            if chosen.checkpoint is not None:
-                self._restore(chosen.checkpoint)
-                self.counters.checkpoints_restored += 1
-            self._cut(n_keep)
-            if entry is not None:
-                self._adopt(entry.tokens, entry.checkpoints, n_keep)
-            self.last_restore_seconds = time.perf_counter() - started
-            self.counters.restore_seconds += self.last_restore_seconds
-            self.call_hook("on_slot_restore", manager=self, slot=slot, checkpoint=chosen.checkpoint, entry=entry,
-                           n_tokens=n_keep)
+        try:
+            self._apply(entry, chosen)
+        except StateRestoreError as exc:
+            # The slot was cleared: serve the request by evaluating its whole prompt, as the host alone would.
+            log.warning("restore failed, evaluating the whole prompt: %s", exc)
+            self.counters.restore_failures += 1
+            entry, n_keep = None, 0
         if entry is None and n_keep < live.n_common:
             self.counters.forced_reprocess += 1
             self.counters.tokens_reprocessed += live.n_common - n_keep
@@ -586,15 +600,39 @@ class CheckpointManager:
             scope.prompt_tokens, scope.cached_tokens = len(prompt), n_keep
         return n_keep
 
+    def _apply(self, entry: CacheEntry | None, chosen: Reuse) -> None:
+        """Make the memory hold ``chosen.n_keep`` tokens: truncate, or restore ``entry`` and/or a checkpoint."""
+        slot, n_keep = self.slot, chosen.n_keep
+        if entry is None and chosen.checkpoint is None:
+            if n_keep < slot.n_tokens:
+                self._cut(n_keep)
+            return
+        started = time.perf_counter()
+        if entry is not None:
+            self.counters.cache_hits += 1
+            self.call_hook("on_cache_hit", manager=self, slot=slot, entry=entry, n_tokens=n_keep)
+            if not (self.kind.partial_is_complete and chosen.checkpoint is not None):
+                self._restore(entry.state)
+            self.cache.touch(entry)
+        if chosen.checkpoint is not None:
+            self._restore(chosen.checkpoint)
+            self.counters.checkpoints_restored += 1
+        self._cut(n_keep)
+        if entry is not None:
+            self._adopt(entry.tokens, entry.checkpoints, n_keep)
+        self.last_restore_seconds = time.perf_counter() - started
+        self.counters.restore_seconds += self.last_restore_seconds
+        self.call_hook("on_slot_restore", manager=self, slot=slot, checkpoint=chosen.checkpoint, entry=entry,
+                       n_tokens=n_keep)
+
     def _cut(self, n_keep: int) -> None:
         """Truncate the memory to ``n_keep`` tokens."""
         self._full_capture = None
         if n_keep == 0:
             self.backend.clear()
         elif not self.backend.truncate(n_keep):
-            self.backend.clear()
-            self._drop_slot_state("cleared")
-            raise IncompatibleStateError(f"llama.cpp could not truncate the sequence to {n_keep} tokens")
+            self._clear_slot()
+            raise StateRestoreError(f"llama.cpp could not truncate the sequence to {n_keep} tokens; the slot was cleared")
         self.slot._truncate(n_keep)
 
     def process(self, tokens: Sequence[int] | np.ndarray, prompt_end: int | None = None) -> None:
@@ -631,13 +669,15 @@ class CheckpointManager:
     # introspection
 
     def stats(self) -> dict[str, Any]:
-        """Counters plus memory figures.
+        """Counters plus memory figures (safe to call from any thread while the model runs).
 
         ``resident_bytes`` counts each state buffer held by the slot or the cache once; ``referenced_bytes`` counts
         it once per holder (what a copying cache would hold). Their ratio is 1.0 when nothing is duplicated.
         """
-        holders: list[Iterable[np.ndarray]] = [b for c in self.slot.checkpoints for b in [c.buffers()]]
-        holders += [entry.buffers() for entry in self.cache.entries()]
+        checkpoints = list(self.slot.checkpoints)
+        entries = self.cache.entries()
+        holders: list[Iterable[np.ndarray]] = [c.buffers() for c in checkpoints]
+        holders += [entry.buffers() for entry in entries]
         unique: dict[int, int] = {}
         referenced = 0
         for buffers in holders:
@@ -649,76 +689,95 @@ class CheckpointManager:
             bytes_copied=self.counters.bytes_captured + self.counters.bytes_restored,
             resident_bytes=sum(unique.values()),
             referenced_bytes=referenced,
-            cache_entries=len(self.cache),
+            cache_entries=len(entries),
             cache_bytes=self.cache.resident_bytes,
             cache_tokens=self.cache.n_tokens,
             slot_tokens=self.slot.n_tokens,
             lineage_tokens=self.slot.n_lineage,
-            slot_checkpoints=len(self.slot.checkpoints),
+            slot_checkpoints=len(checkpoints),
             memory_kind=self.kind.name,
             disk_entries=len(self.disk) if self.disk is not None else 0,
             disk_bytes=self.disk.resident_bytes if self.disk is not None else 0,
         )
         return out
 
-    def describe(self) -> dict[str, Any]:
-        """A JSON-able view of the slot, its checkpoints and the cache entries."""
+    def describe(self, namespace: str | None = None) -> dict[str, Any]:
+        """A JSON-able view of the slot, its checkpoints and the cache entries; of ``namespace`` only, if given
+        (the slot is shown only while it holds that namespace's state)."""
 
         def checkpoint_view(c: Checkpoint) -> dict[str, Any]:
             return {"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max, "partial": c.partial,
                     "bytes": c.nbytes}
 
+        slot = self.slot
+        slots = []
+        if namespace is None or slot.namespace == namespace:
+            slots.append({"id": slot.id, "n_tokens": slot.n_tokens, "namespace": slot.namespace,
+                          "checkpoints": [checkpoint_view(c) for c in list(slot.checkpoints)]})
         return {
             "fingerprint": self.fingerprint,
             "memory_kind": self.kind.name,
-            "slots": [{"id": self.slot.id, "n_tokens": self.slot.n_tokens,
-                       "checkpoints": [checkpoint_view(c) for c in self.slot.checkpoints]}],
+            "slots": slots,
             "cache": [{"namespace": e.namespace, "n_tokens": e.n_tokens, "bytes": e.nbytes, "hits": e.hits,
-                       "checkpoints": len(e.checkpoints)} for e in self.cache.entries()],
+                       "checkpoints": len(e.checkpoints)} for e in self.cache.entries(namespace)],
         }
 
     # ---------------------------------------------------------------------------------------------------------------
     # slot files
 
-    def save_slot(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+    def save_slot(self, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:
         """Write the slot (tokens, full state, checkpoints, draft and speculative state) to ``path`` atomically.
 
+        :param namespace: The caller's namespace (the manager's own by default); the file records it.
+        :raises EmptySlotError: The slot holds nothing of ``namespace`` (another tenant's state is never saved).
         :return: ``{"n_saved": tokens, "n_written": bytes, "save_ms": ...}``.
         """
         started = time.perf_counter()
+        namespace = namespace or self.settings.namespace
         with self.lock:
             self.reconcile()
+            if self.slot.namespace != namespace or self.slot.n_tokens == 0:
+                raise EmptySlotError("the slot holds no state of this caller to save")
             entry = self.save()
             written = write_entry(path, entry, model_fingerprint=self.fingerprint)
         return {"n_saved": entry.n_tokens, "n_written": written, "save_ms": (time.perf_counter() - started) * 1e3}
 
-    def restore_slot(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Restore the slot from a slot file; a file that is corrupt or made for another model or context is refused
-        and the slot stays exactly as it was.
+    def restore_slot(self, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:
+        """Restore the slot from a slot file; a file that is corrupt, made for another model or context, or saved by
+        another namespace is refused and the slot stays exactly as it was.
 
+        :param namespace: The caller's namespace (the manager's own by default); it must be the file's.
         :return: ``{"n_restored": tokens, "n_read": bytes, "restore_ms": ...}``.
         """
         started = time.perf_counter()
+        namespace = namespace or self.settings.namespace
         entry = read_entry(path, expected_fingerprint=self.fingerprint)
+        if entry.namespace != namespace:
+            raise ForeignNamespaceError("the slot file was saved by another namespace")
         with self.lock:
             self.reconcile()
+            # Another tenant's live state is parked in its own partition, never handed over.
+            self._enter_namespace(namespace)
             previous = self.save() if self.slot.n_tokens else None
             try:
                 self.load(entry)
-            except IncompatibleStateError:
+            except (IncompatibleStateError, StateRestoreError):
                 if previous is not None:
                     self.load(previous)
                 raise
         n_read = sum(int(b.nbytes) for b in {id(b): b for b in entry.buffers()}.values())
         return {"n_restored": entry.n_tokens, "n_read": n_read, "restore_ms": (time.perf_counter() - started) * 1e3}
 
-    def erase_slot(self) -> dict[str, Any]:
-        """Empty the slot (memory and checkpoints); the prompt cache keeps its entries."""
+    def erase_slot(self, namespace: str | None = None) -> dict[str, Any]:
+        """Empty the slot (memory and checkpoints) if it holds ``namespace``'s state; the prompt cache keeps its
+        entries. Another namespace's live state is left alone (``n_erased`` 0)."""
+        namespace = namespace or self.settings.namespace
         with self.lock:
+            if self.slot.namespace != namespace:
+                return {"n_erased": 0}
+            self.reconcile()
             n_erased = self.slot.n_tokens
-            self.backend.clear()
-            self._drop_slot_state("cleared")
-            self._full_capture = None
+            self._clear_slot()
         return {"n_erased": n_erased}
 
     def flush(self) -> None:
@@ -731,5 +790,4 @@ class CheckpointManager:
     def close(self) -> None:
         """Drop the slot's checkpoints and tell the plugins the manager is going away."""
         self._drop_slot_state("cleared")
-        self._full_capture = None
         self.call_hook("on_detach", manager=self)

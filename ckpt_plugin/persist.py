@@ -37,7 +37,7 @@ import numpy as np
 
 from .cache import CacheEntry
 from .checkpoint import Checkpoint
-from .errors import CheckpointError, IncompatibleStateError
+from .errors import CheckpointError, CorruptFileError, IncompatibleStateError, UnsafePathError
 
 __all__ = [
     "ALIGNMENT",
@@ -99,23 +99,6 @@ _INT32 = np.iinfo(np.int32)
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 MIN_FILE_SIZE = 2 * ALIGNMENT + _RECORD.size + _TRAILER.size
 """Smallest well-formed file: one record with empty blobs, no tokens, empty strings."""
-
-
-class CorruptFileError(CheckpointError):
-    """A slot file is malformed: truncated, corrupted, not a slot file, or of an unsupported format version.
-
-    :ivar path: The file.
-    :ivar offset: Byte offset of the problem, when it has one.
-    """
-
-    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None, offset: int | None = None) -> None:
-        super().__init__(message)
-        self.path = path
-        self.offset = offset
-
-
-class UnsafePathError(CheckpointError):
-    """A client-supplied file name would leave the configured directory (or is not a plain file name)."""
 
 
 @dataclass(frozen=True)

@@ -75,20 +75,23 @@ def test_middleware_serves_usage_admin_and_metrics(make_llama: Any, make_app: An
     app.add_middleware(CheckpointMiddleware, managers={"tiny": manager}, settings=ServeSettings(admin=True),
                        api_key="k")
     with serve(app) as url:
-        first = HTTP.post(f"{url}/v1/completions", json={"prompt": PROMPT}).json()
+        auth = {"Authorization": "Bearer k"}
+        # the host's key is checked on every POST before its body is read
+        refused = HTTP.post(f"{url}/v1/completions", json={"prompt": PROMPT})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+        first = HTTP.post(f"{url}/v1/completions", json={"prompt": PROMPT}, headers=auth).json()
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        again = HTTP.post(f"{url}/v1/completions", json={"prompt": PROMPT + [5, 6]}).json()
+        again = HTTP.post(f"{url}/v1/completions", json={"prompt": PROMPT + [5, 6]}, headers=auth).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(PROMPT) - 1
         assert HTTP.get(f"{url}/checkpoints").status_code == 401
-        auth = {"Authorization": "Bearer k"}
         view = HTTP.get(f"{url}/checkpoints", headers=auth).json()["models"]["tiny"]
         assert view["slots"][0]["checkpoints"] and view["memory_kind"] == "swa"
         stats = HTTP.get(f"{url}/checkpoints/stats", headers=auth).json()["models"]["tiny"]
         assert stats["tokens_reused"] >= len(PROMPT) - 1
         metrics = HTTP.get(f"{url}/metrics", headers=auth).text
         assert 'ckpt_tokens_reused_total{model="tiny"}' in metrics
-        assert HTTP.post(f"{url}/v1/completions", content=b"[", headers={"content-type": "application/json"}
-                          ).status_code == 400
+        assert HTTP.post(f"{url}/v1/completions", content=b"[",
+                         headers={"content-type": "application/json", **auth}).status_code == 400
         assert HTTP.get(f"{url}/checkpoints/nothing", headers=auth).status_code == 404
 
 

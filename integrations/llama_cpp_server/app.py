@@ -9,6 +9,7 @@ import llama_cpp.server.app as host
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
+from ckpt_plugin import host_compat
 from ckpt_plugin.config import ServeSettings
 from ckpt_plugin.middleware import CheckpointMiddleware
 
@@ -32,7 +33,7 @@ def create_app(
         app = host.create_app(server_settings=server_settings, model_settings=model_settings)
     finally:
         host.LlamaProxy = original  # type: ignore[misc]
-    proxy: CheckpointLlamaProxy = host._llama_proxy  # type: ignore[assignment]
+    proxy: CheckpointLlamaProxy = host_compat.server_llama_proxy(host)
     app.state.llama_proxy = proxy
     app.add_middleware(
         CheckpointMiddleware,

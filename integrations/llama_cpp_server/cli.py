@@ -21,6 +21,7 @@ from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerS
 from pydantic import ValidationError
 
 from ckpt_plugin.config import ServeSettings, parse_size
+from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.default_model import default_model_path
 
 CHECKPOINT_FLAGS: dict[str, str] = {
@@ -41,11 +42,10 @@ CHECKPOINT_FLAGS: dict[str, str] = {
     "--slot-save-path": "slot_save_path",
     "--checkpoint-draft-model": "draft_model",
     "--checkpoint-draft-n": "draft_n",
+    "--checkpoint-admin-key": "admin_key",
+    "--checkpoint-max-body": "max_body_bytes",
+    "--checkpoint-shutdown-timeout": "shutdown_timeout",
 }
-
-
-class ConfigError(ValueError):
-    """The command line, environment or config file is invalid; the message says where."""
 
 
 def _bool(text: str) -> bool:
@@ -61,13 +61,15 @@ def _flag_type(field_name: str) -> dict[str, Any]:
     annotation = ServeSettings.model_fields[field_name].annotation
     args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     base = args[0]
-    if field_name in ("cache_max_bytes", "disk_max_bytes"):
+    if field_name in ("cache_max_bytes", "disk_max_bytes", "max_body_bytes"):
         return {"type": parse_size}
+    if field_name == "admin_key":
+        return {"type": str}
     if typing.get_origin(annotation) is typing.Literal:
         return {"choices": list(typing.get_args(annotation))}
     if base is bool:
         return {"type": _bool}
-    return {"type": base if base in (int, str) else str}
+    return {"type": base if base in (int, float, str) else str}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         port=int(os.getenv("PORT", server.port)),
         ssl_keyfile=server.ssl_keyfile,
         ssl_certfile=server.ssl_certfile,
+        # Streams in flight get this long to finish on SIGTERM; the lifespan shutdown then parks the slot.
+        timeout_graceful_shutdown=checkpoints.shutdown_timeout,
     )
 
 

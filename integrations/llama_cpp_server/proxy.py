@@ -7,6 +7,7 @@ from typing import Any
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings
 
+from ckpt_plugin import host_compat
 from ckpt_plugin import CheckpointManager, CheckpointSettings, PromptCache, attach
 from ckpt_plugin.llama_backend import open_llama
 from ckpt_plugin.speculative import enable_speculative
@@ -39,8 +40,8 @@ class CheckpointLlamaProxy(LlamaProxy):
         super().__init__(models)
 
     def __call__(self, model: str | None = None) -> Any:
-        alias = model if model in self._model_settings_dict else self._default_model_alias
-        if alias != self._current_model_alias:
+        alias = host_compat.proxy_model_alias(self, model)
+        if alias != host_compat.proxy_current_alias(self):
             for manager in self.managers.values():
                 manager.flush()
             self.managers = {}

@@ -1,0 +1,62 @@
+"""Every access to llama-cpp-python's private attributes, in one place.
+
+llama-cpp-python keeps part of what a prompt-cache layer must keep in step in private attributes of ``Llama`` (the
+sampling seed, whether the last token still needs evaluation) and of its server (the module-level model proxy, the
+proxy's current model). Nothing else in ckpt_plugin reads or writes them, so a new llama-cpp-python release is
+checked here and only here.
+
+Checked against llama-cpp-python 0.3.36 (``attach`` refuses versions outside
+:data:`ckpt_plugin.llama_backend.TESTED_VERSIONS`). This module imports nothing from ``llama_cpp``: it takes the
+host's objects as arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+CHECKED_VERSION = "0.3.36"
+"""The llama-cpp-python release whose private attributes this module was checked against."""
+
+
+def has_context(llama: Any) -> bool:
+    """Whether ``llama`` holds a llama.cpp context (``False`` once closed, and for ``vocab_only`` models)."""
+    return getattr(llama, "_ctx", None) is not None
+
+
+def seed(llama: Any) -> int:
+    """The seed ``llama`` samples with (``Llama._seed``), as ``LlamaState.seed`` records it."""
+    return int(llama._seed)
+
+
+def set_seed(llama: Any, value: int) -> None:
+    """Set the sampling seed, as ``Llama.load_state`` does."""
+    llama._seed = value
+
+
+def set_evaluated_prefix(llama: Any, tokens: np.ndarray, n_keep: int) -> None:
+    """Tell ``llama`` its memory holds ``tokens[:n_keep]`` and that the next token must be evaluated.
+
+    ``Llama.generate`` compares its ``input_ids[:n_tokens]`` with the prompt to decide what to evaluate; after the
+    manager restored a state, those must describe the memory. ``_requires_eval`` makes ``generate`` evaluate at least
+    one token (fresh logits) even when the whole prompt matches.
+    """
+    llama.input_ids[:n_keep] = tokens[:n_keep]
+    llama.n_tokens = n_keep
+    llama._requires_eval = True
+
+
+def server_llama_proxy(server_app_module: Any) -> Any:
+    """The model proxy ``llama_cpp.server.app.create_app`` stored in its module (``_llama_proxy``)."""
+    return server_app_module._llama_proxy
+
+
+def proxy_model_alias(proxy: Any, model: str | None) -> str:
+    """The alias ``LlamaProxy.__call__(model)`` would serve (unknown names fall back to the default model)."""
+    return model if model in proxy._model_settings_dict else proxy._default_model_alias
+
+
+def proxy_current_alias(proxy: Any) -> str | None:
+    """The alias of the model the proxy holds now (``None`` before the first request)."""
+    return proxy._current_model_alias

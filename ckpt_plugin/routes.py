@@ -1,0 +1,234 @@
+"""The routes the checkpoint middleware answers itself: admin API, Prometheus metrics and llama.cpp's slot files.
+
+- ``GET /checkpoints``: slots, checkpoints and cache entries per model, of the caller's namespace (every namespace
+  for the operator key, or when namespaces are off); ``DELETE /checkpoints`` drops those cache entries. Admin only.
+- ``GET /checkpoints/stats``: ``manager.stats()`` per model (aggregates over tenants: with namespaces on, only for
+  the operator key). Admin only.
+- ``GET /metrics``: Prometheus text.
+- ``POST /slots/{id}?action=save|restore|erase`` with ``{"filename": ...}``: slot files in ``slot_save_path`` (in a
+  subdirectory per tenant when namespaces are on); a tenant never reads, overwrites or lists another's files.
+
+Every manager call runs in a worker thread (it may wait for the model lock); every failure is a 4xx JSON error
+(:func:`error_for`), except storage failures of the server itself (507).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping
+from urllib.parse import parse_qsl
+
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, Router
+
+from .body_limit import BodyTooLarge, ClientDisconnect, error_response, read_body
+from .config import ServeSettings
+from .errors import (
+    CheckpointError,
+    CorruptFileError,
+    EmptySlotError,
+    ForeignNamespaceError,
+    IncompatibleStateError,
+    SlotFileNotFoundError,
+    StateRestoreError,
+    UnsafePathError,
+)
+from .manager import CheckpointManager
+from .metrics import CONTENT_TYPE, Metrics
+from .persist import safe_path
+from .tenants import Caller, Tenants
+
+log = logging.getLogger("ckpt_plugin")
+
+Managers = Mapping[str, CheckpointManager]
+SLOT_REQUEST_MAX_BYTES = 1 << 16
+# Every method reaches the endpoint, which answers a wrong one with a JSON 405 (Starlette's own is plain text).
+_ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+_SLOT_ID = re.compile(r"0|[1-9][0-9]{0,8}")  # ASCII digits only: no "00", no full-width or superscript digits
+
+
+def unique_managers(managers: Managers) -> list[CheckpointManager]:
+    """Each manager once (several model names may share one)."""
+    return list({id(m): m for m in managers.values()}.values())
+
+
+def error_for(exc: BaseException) -> JSONResponse:
+    """The HTTP error for an exception raised while serving a slot or admin request."""
+    if isinstance(exc, UnsafePathError):
+        return error_response(400, "invalid_request", str(exc))
+    if isinstance(exc, SlotFileNotFoundError):
+        return error_response(404, "not_found", str(exc))
+    if isinstance(exc, CorruptFileError):
+        return error_response(400, "invalid_slot_file", str(exc))
+    if isinstance(exc, IncompatibleStateError):
+        return error_response(400, "incompatible_slot_file", str(exc))
+    if isinstance(exc, ForeignNamespaceError):
+        return error_response(403, "forbidden", str(exc))
+    if isinstance(exc, EmptySlotError):
+        return error_response(409, "slot_empty", str(exc))
+    if isinstance(exc, StateRestoreError):
+        return error_response(409, "restore_failed", str(exc))
+    if isinstance(exc, IsADirectoryError):
+        return error_response(400, "invalid_request", "the file name names a directory")
+    if isinstance(exc, OSError):
+        # The server's own storage failed (disk full, permissions): not the client's fault, but no state was lost.
+        log.warning("slot file storage error: %s", exc)
+        code = "insufficient_storage" if exc.errno == errno.ENOSPC else "storage_error"
+        return error_response(507, code, f"the slot file could not be written or read: {exc.strerror or exc}")
+    if isinstance(exc, CheckpointError):
+        return error_response(400, "invalid_request", str(exc))
+    raise exc
+
+
+def tenant_directory(base: str | Path, namespace: str | None) -> Path:
+    """Where one tenant's slot files live: ``base`` itself when namespaces are off, else a subdirectory named after
+    the namespace digest (created on first use)."""
+    directory = Path(base)
+    if namespace is not None:
+        directory = directory / ("ns-" + re.sub(r"[^A-Za-z0-9_-]", "-", namespace))
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+class CheckpointRoutes:
+    """The Starlette ``Router`` of the middleware's own routes.
+
+    :param managers: Returns the live managers by model name.
+    :param settings: What is enabled.
+    :param tenants: Derives the caller of a request.
+    :param metrics: The Prometheus registry of these managers.
+    """
+
+    def __init__(
+        self, managers: Callable[[], Managers], settings: ServeSettings, tenants: Tenants, metrics: Metrics
+    ) -> None:
+        self.managers = managers
+        self.settings = settings
+        self.tenants = tenants
+        self.metrics = metrics
+        self.router = Router(
+            routes=[
+                Route("/checkpoints", self._guard(self.checkpoints, admin=True), methods=_ANY_METHOD),
+                Route("/checkpoints/stats", self._guard(self.stats, admin=True), methods=_ANY_METHOD),
+                Route("/metrics", self._guard(self.prometheus), methods=_ANY_METHOD),
+                Route("/slots/{slot_id:path}", self._guard(self.slots, slots=True), methods=_ANY_METHOD),
+            ],
+            default=self._not_found,
+        )
+
+    @staticmethod
+    def handles(path: str, settings: ServeSettings) -> bool:
+        """Whether ``path`` is one of these routes (``/metrics`` only while metrics are on)."""
+        return (
+            path in ("/checkpoints", "/checkpoints/stats")
+            or path.startswith(("/checkpoints/", "/slots/"))
+            or (path == "/metrics" and settings.metrics)
+        )
+
+    @staticmethod
+    async def _not_found(scope: Any, receive: Any, send: Any) -> None:
+        await error_response(404, "not_found", f"no route {scope['path']}")(scope, receive, send)
+
+    def _guard(
+        self, endpoint: Callable[[Request, Caller], Awaitable[Response]], admin: bool = False, slots: bool = False
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """Check enablement and credentials before the endpoint reads anything of the request."""
+
+        async def guarded(request: Request) -> Response:
+            if admin and not self.settings.admin:
+                return error_response(404, "not_found", "checkpoint admin routes are disabled (checkpoints.admin)")
+            if slots and self.settings.slot_save_path is None:
+                return error_response(404, "not_found", "slot files are disabled (--slot-save-path)")
+            caller = self.tenants.caller(Headers(scope=request.scope))
+            if not caller.authorized:
+                return error_response(401, "unauthorized", "a valid API key is required")
+            if (admin or slots) and caller.anonymous and not caller.operator:
+                return error_response(403, "forbidden", "namespaces are on: this route needs a tenant identity")
+            try:
+                return await endpoint(request, caller)
+            except BodyTooLarge as exc:
+                return error_response(413, "too_large", str(exc))
+            except ClientDisconnect:
+                return error_response(400, "disconnected", "the client went away")
+            except (CheckpointError, OSError) as exc:
+                return error_for(exc)
+
+        return guarded
+
+    @staticmethod
+    def _scope_of(caller: Caller) -> str | None:
+        """The namespace a caller's admin view is limited to (``None``: every namespace)."""
+        return None if caller.operator or caller.namespace is None else caller.namespace
+
+    async def checkpoints(self, request: Request, caller: Caller) -> Response:
+        managers = self.managers()
+        namespace = self._scope_of(caller)
+        if request.method == "GET":
+            views = await run_in_threadpool(lambda: {name: m.describe(namespace) for name, m in managers.items()})
+            return JSONResponse({"models": views})
+        if request.method == "DELETE":
+            cleared = await run_in_threadpool(
+                lambda: sum(m.clear_cache(namespace) for m in unique_managers(managers))
+            )
+            return JSONResponse({"cleared": cleared})
+        return error_response(405, "method_not_allowed", f"{request.method} is not allowed on /checkpoints")
+
+    async def stats(self, request: Request, caller: Caller) -> Response:
+        if request.method != "GET":
+            return error_response(405, "method_not_allowed", f"{request.method} is not allowed on /checkpoints/stats")
+        if caller.namespace is not None and not caller.operator:
+            return error_response(403, "forbidden", "stats cover every tenant: they need the operator key (admin_key)")
+        managers = self.managers()
+        views = await run_in_threadpool(lambda: {name: m.stats() for name, m in managers.items()})
+        return JSONResponse({"models": views})
+
+    async def prometheus(self, request: Request, caller: Caller) -> Response:
+        if request.method != "GET":
+            return error_response(405, "method_not_allowed", "use GET /metrics")
+        return Response(await run_in_threadpool(self.metrics.render), media_type=CONTENT_TYPE)
+
+    async def slots(self, request: Request, caller: Caller) -> Response:
+        if request.method != "POST":
+            return error_response(405, "method_not_allowed", "use POST /slots/{id}?action=save|restore|erase")
+        slot_text = request.path_params["slot_id"]
+        if not _SLOT_ID.fullmatch(slot_text):
+            return error_response(400, "invalid_request", f"slot id must be a decimal number, got {slot_text!r}")
+        managers = unique_managers(self.managers())
+        slot_id = int(slot_text)
+        if slot_id != 0 or not managers:
+            return error_response(404, "not_found", f"no slot {slot_id} (each loaded model has slot 0)")
+        manager = managers[0]
+        action = dict(parse_qsl(request.url.query)).get("action", "")
+        if action == "erase":
+            result = await run_in_threadpool(manager.erase_slot, caller.namespace)
+            return JSONResponse({"id_slot": slot_id, **result})
+        if action not in ("save", "restore"):
+            return error_response(400, "invalid_request", "action must be save, restore or erase")
+        body = await read_body(request.receive, SLOT_REQUEST_MAX_BYTES)
+        try:
+            payload = json.loads(body or b"{}")
+            filename = payload["filename"]
+            if not isinstance(filename, str):
+                raise TypeError
+        except (ValueError, RecursionError, KeyError, TypeError):
+            return error_response(400, "invalid_request", 'the body must be a JSON object with a string "filename"')
+        directory = tenant_directory(self.settings.slot_save_path or ".", caller.namespace)
+        target = safe_path(directory, filename)
+        if action == "save":
+            if target.is_dir():
+                return error_response(400, "invalid_request", "the file name names a directory")
+            result = await run_in_threadpool(manager.save_slot, target, caller.namespace)
+            return JSONResponse({"id_slot": slot_id, "filename": filename, "n_saved": result["n_saved"],
+                                 "n_written": result["n_written"], "timings": {"save_ms": result["save_ms"]}})
+        if not target.is_file():
+            raise SlotFileNotFoundError(f"no slot file {filename!r}")
+        result = await run_in_threadpool(manager.restore_slot, target, caller.namespace)
+        return JSONResponse({"id_slot": slot_id, "filename": filename, "n_restored": result["n_restored"],
+                             "n_read": result["n_read"], "timings": {"restore_ms": result["restore_ms"]}})
