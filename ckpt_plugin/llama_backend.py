@@ -107,6 +107,20 @@ def clear_memory(llama: Llama) -> None:
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llama.ctx), True)
 
 
+def grammar_error(llama: Llama, grammar: str, root: str = "root") -> str | None:
+    """Why llama.cpp would refuse ``grammar`` for ``llama``'s vocabulary, or ``None`` if it parses.
+
+    llama-cpp-python does not check a grammar before sampling with it, and llama.cpp's sampler is then missing: the
+    whole process dies. Building the sampler once here and freeing it is cheap (microseconds for a typical grammar).
+    """
+    vocab = llama_cpp.llama_model_get_vocab(llama.model)
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), root.encode("utf-8"))
+    if not sampler:
+        return "llama.cpp could not parse the grammar (see the server log for where)"
+    llama_cpp.llama_sampler_free(sampler)
+    return None
+
+
 def vocab_digest(llama: Llama) -> str:
     """A digest of ``llama``'s vocabulary (every token's text), to tell whether two models can share drafts."""
     vocab = llama_cpp.llama_model_get_vocab(llama.model)

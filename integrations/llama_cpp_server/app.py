@@ -11,6 +11,7 @@ from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletion
 
 from ckpt_plugin import host_compat
 from ckpt_plugin.config import ServeSettings
+from ckpt_plugin.llama_backend import grammar_error
 from ckpt_plugin.middleware import CheckpointMiddleware
 
 from .proxy import CheckpointLlamaProxy
@@ -42,8 +43,23 @@ def create_app(
         api_key=server_settings.api_key,
         # llama_cpp.server answers an invalid body with a 500; refuse it with a 422 before the model is touched.
         validators={
-            "/chat/completions": CreateChatCompletionRequest.model_validate,
-            "/v1/completions": CreateCompletionRequest.model_validate,
+            "/chat/completions": _validator(CreateChatCompletionRequest, proxy),
+            "/v1/completions": _validator(CreateCompletionRequest, proxy),
         },
     )
     return app
+
+
+def _validator(model: Any, proxy: CheckpointLlamaProxy) -> Any:
+    """The host's request schema, and a grammar llama.cpp can parse (the host itself dies on one it cannot)."""
+
+    def validate(payload: dict[str, Any]) -> None:
+        model.model_validate(payload)
+        grammar = payload.get("grammar")
+        if isinstance(grammar, str):
+            for manager in list(proxy.managers.values())[:1]:
+                problem = grammar_error(manager.backend.llama, grammar)
+                if problem is not None:
+                    raise ValueError(f"grammar: {problem}")
+
+    return validate
