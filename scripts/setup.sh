@@ -14,3 +14,11 @@ fi
 # kernel does not grant AMX tile state (seen on our 2-core x86_64 machines).
 export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON}"
 .venv/bin/python -m pip install --quiet -e ".[test]"
+
+# llama-cpp-python's own test suite runs against the plugin (tests/test_upstream_suite.py): its sdist, through pip.
+if [ ! -f .cache/upstream/.done ]; then
+  version="$(.venv/bin/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
+  mkdir -p .cache/upstream
+  .venv/bin/python -m pip download --quiet --no-deps --no-binary :all: \
+    "llama-cpp-python==${version}" -d .cache/upstream && touch .cache/upstream/.done
+fi
