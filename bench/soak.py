@@ -72,6 +72,7 @@ class Soak:
         first = None
         text = ""
         status = 0
+        finished = False
         try:
             with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 status = response.status_code
@@ -82,6 +83,7 @@ class Soak:
                         chunk = json.loads(line[6:])
                         for choice in chunk.get("choices") or []:
                             text += (choice.get("delta") or {}).get("content") or ""
+                            finished = finished or bool(choice.get("finish_reason"))
         except httpx.TimeoutException:
             status = 0
         elapsed = time.monotonic() - started
@@ -89,11 +91,9 @@ class Soak:
         if first is not None:
             with self.lock:
                 self.ttft.append(first)
-        # the server interrupts a stream when another request arrives (llama_cpp.server's default):
-        # only a stream that ran to its end is compared
-        if status == 200 and text and "[interrupted]" not in text:
-            return text
-        return ""
+        # the host interrupts a stream when another request arrives (llama_cpp.server's default), ending it without
+        # a finish_reason: only streams that ran to their end are compared
+        return text if status == 200 and finished else ""
 
     def dropped(self, http: httpx.Client, messages: list[dict[str, str]], rng: random.Random) -> None:
         body = {"model": "m", "messages": messages, "max_tokens": 48, "temperature": 0, "stream": True}
