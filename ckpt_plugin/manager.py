@@ -253,6 +253,8 @@ class CheckpointManager:
         self.plugins.register(DefaultPlugin(), name=DEFAULT_PLUGIN_NAME)
         if self.settings.load_entrypoints:
             self.plugins.load_setuptools_entrypoints(PROJECT_NAME)
+            # A misspelled hook implementation in an installed plugin fails here, not silently.
+            self.plugins.check_pending()
 
     # ---------------------------------------------------------------------------------------------------------------
     # hooks
