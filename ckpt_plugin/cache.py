@@ -188,11 +188,11 @@ class RadixIndex:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _locked(method: _F) -> _F:
-    """Run ``method`` under the cache's own lock: several managers (threads) may share one cache."""
+def locked(method: _F) -> _F:
+    """Run ``method`` under ``self._lock``: several managers (threads) may share one cache or tier."""
 
     @functools.wraps(method)
-    def wrapper(self: PromptCache, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             return method(self, *args, **kwargs)
 
@@ -227,7 +227,7 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    @_locked
+    @locked
     def entries(self, namespace: str | None = None) -> list[CacheEntry]:
         """All entries (of ``namespace`` only, if given), least recently used first."""
         entries = list(self._lru.values())
@@ -240,13 +240,13 @@ class PromptCache:
             index = self._indexes[key] = RadixIndex()
         return index
 
-    @_locked
+    @locked
     def new_bytes(self, entry: CacheEntry) -> int:
         """Bytes ``entry`` would add: its buffers the cache does not hold yet."""
         unique = {id(b): b for b in entry.buffers()}
         return sum(int(b.nbytes) for key, b in unique.items() if key not in self._buffers)
 
-    @_locked
+    @locked
     def lookup(
         self, namespace: str, fingerprint: str, prompt: np.ndarray, max_candidates: int = 8
     ) -> list[tuple[CacheEntry, int]]:
@@ -256,19 +256,19 @@ class PromptCache:
             return []
         return index.lookup(prompt, max_candidates)
 
-    @_locked
+    @locked
     def contains(self, entry: CacheEntry) -> bool:
         """Whether ``entry`` (this very object) is in the cache."""
         return id(entry) in self._lru
 
-    @_locked
+    @locked
     def touch(self, entry: CacheEntry) -> None:
         """Mark ``entry`` as just used."""
         if id(entry) in self._lru:
             self._lru.move_to_end(id(entry))
             entry.hits += 1
 
-    @_locked
+    @locked
     def insert(
         self,
         entry: CacheEntry,
@@ -324,7 +324,7 @@ class PromptCache:
             return True
         return self.max_tokens is not None and self.n_tokens + n_tokens > self.max_tokens
 
-    @_locked
+    @locked
     def remove(self, entry: CacheEntry) -> None:
         """Drop ``entry`` from the cache (its buffers stay alive for other holders)."""
         if id(entry) not in self._lru:
@@ -354,7 +354,7 @@ class PromptCache:
                     del self._buffers[key]
                     self.resident_bytes -= int(buffer.nbytes)
 
-    @_locked
+    @locked
     def clear(self, namespace: str | None = None) -> list[CacheEntry]:
         """Drop every entry (of ``namespace`` only, if given); return them."""
         entries = self.entries(namespace)
@@ -362,7 +362,7 @@ class PromptCache:
             self.remove(entry)
         return entries
 
-    @_locked
+    @locked
     def resize(self, max_bytes: int) -> list[CacheEntry]:
         """Change the byte budget, evicting least recently used entries to fit; return the evicted ones."""
         if max_bytes < 0:

@@ -8,7 +8,6 @@ go first. A file that fails validation is moved aside (``.corrupt``) and never l
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -16,11 +15,11 @@ import pathlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import numpy as np
 
-from .cache import CacheEntry, RadixIndex
+from .cache import CacheEntry, RadixIndex, locked
 
 from .errors import CheckpointError, CorruptFileError
 from .persist import read_entry, read_header, remove_stale_temp_files, write_entry
@@ -40,18 +39,6 @@ class DiskRecord:
     fingerprint: str
     size: int
     _node: Any = field(default=None, repr=False)
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _locked(method: _F) -> _F:
-    @functools.wraps(method)
-    def wrapper(self: DiskTier, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 class DiskTier:
@@ -111,7 +98,7 @@ class DiskTier:
         digest.update(np.ascontiguousarray(entry.tokens, dtype="<i4").tobytes())
         return digest.hexdigest()[:40] + SUFFIX
 
-    @_locked
+    @locked
     def store(self, entry: CacheEntry) -> bool:
         """Write ``entry`` (unless a file of the same tokens exists); return whether it is on disk now."""
         path = self.directory / self.file_name(entry)
@@ -134,7 +121,7 @@ class DiskTier:
             self._remove(oldest)
         return True
 
-    @_locked
+    @locked
     def lookup(self, namespace: str, fingerprint: str, prompt: np.ndarray) -> list[tuple[DiskRecord, int]]:
         """Records sharing the longest prefixes with ``prompt`` (see :meth:`RadixIndex.lookup`)."""
         index = self._indexes.get((namespace, fingerprint))
@@ -142,7 +129,7 @@ class DiskTier:
             return []
         return index.lookup(prompt)  # type: ignore[return-value]
 
-    @_locked
+    @locked
     def load(self, record: DiskRecord) -> CacheEntry | None:
         """Map ``record``'s file; ``None`` (and the file moved aside) if it no longer validates."""
         try:
@@ -157,7 +144,7 @@ class DiskTier:
         self._records.move_to_end(record.path)
         return entry
 
-    @_locked
+    @locked
     def clear(self) -> int:
         """Delete every entry file; return how many there were."""
         records = list(self._records.values())

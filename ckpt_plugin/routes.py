@@ -59,22 +59,24 @@ def unique_managers(managers: Managers) -> list[CheckpointManager]:
     return list({id(m): m for m in managers.values()}.values())
 
 
+# (exception type, status, code), most specific first; the message is the exception's own.
+_STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
+    (UnsafePathError, 400, "invalid_request"),
+    (SlotFileNotFoundError, 404, "not_found"),
+    (CorruptFileError, 400, "invalid_slot_file"),
+    (IncompatibleStateError, 400, "incompatible_slot_file"),
+    (ForeignNamespaceError, 403, "forbidden"),
+    (EmptySlotError, 409, "slot_empty"),
+    (StateRestoreError, 409, "restore_failed"),
+    (CheckpointError, 400, "invalid_request"),
+)
+
+
 def error_for(exc: BaseException) -> JSONResponse:
     """The HTTP error for an exception raised while serving a slot or admin request."""
-    if isinstance(exc, UnsafePathError):
-        return error_response(400, "invalid_request", str(exc))
-    if isinstance(exc, SlotFileNotFoundError):
-        return error_response(404, "not_found", str(exc))
-    if isinstance(exc, CorruptFileError):
-        return error_response(400, "invalid_slot_file", str(exc))
-    if isinstance(exc, IncompatibleStateError):
-        return error_response(400, "incompatible_slot_file", str(exc))
-    if isinstance(exc, ForeignNamespaceError):
-        return error_response(403, "forbidden", str(exc))
-    if isinstance(exc, EmptySlotError):
-        return error_response(409, "slot_empty", str(exc))
-    if isinstance(exc, StateRestoreError):
-        return error_response(409, "restore_failed", str(exc))
+    for kind, status, code in _STATUSES:
+        if isinstance(exc, kind):
+            return error_response(status, code, str(exc))
     if isinstance(exc, IsADirectoryError):
         return error_response(400, "invalid_request", "the file name names a directory")
     if isinstance(exc, OSError):
@@ -82,8 +84,6 @@ def error_for(exc: BaseException) -> JSONResponse:
         log.warning("slot file storage error: %s", exc)
         code = "insufficient_storage" if exc.errno == errno.ENOSPC else "storage_error"
         return error_response(507, code, f"the slot file could not be written or read: {exc.strerror or exc}")
-    if isinstance(exc, CheckpointError):
-        return error_response(400, "invalid_request", str(exc))
     raise exc
 
 
