@@ -5,8 +5,11 @@
 Each client loops over a mix: multi-turn chats (checked against the answers the same server gave the same request
 earlier, greedy), branches (an earlier turn edited), streams dropped mid-way (20%), malformed bodies (5%), slot saves
 and restores. A request that takes longer than ``--hang-seconds`` counts as a hang. The server's resident memory is
-sampled every second from /proc. Prints a JSON summary and writes it (with the RSS series) to ``--out``; with
-matplotlib installed, ``--plot`` draws RSS over time against the budget.
+sampled every second from /proc, together with the resident part of the host's own ``scores`` array (llama-cpp-python
+allocates ``n_ctx x n_vocab`` floats with ``logits_all=True``; its pages become resident as positions are written, 1 MiB
+per position on Gemma-3) and of llama.cpp's output buffer (``n_batch`` rows of logits): the growth that counts against the checkpoint budget is the RSS growth beyond the model,
+the context and that array, measured from a warmed-up server. Prints a JSON summary and writes it (with the series)
+to ``--out``; ``--plot`` draws the series against the budget (matplotlib, in the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -41,9 +44,58 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+HOST_ARRAY_MIN_BYTES = 256 << 20
+"""Anonymous mappings at least this large are the host's per-position logits arrays: llama-cpp-python's ``scores``
+(``n_ctx x n_vocab`` floats) and llama.cpp's output buffer (``n_batch x n_vocab`` floats), both that large because of
+``logits_all=True``. Nothing else of the server is: state buffers, the KV cache and Python's heap are far smaller,
+and the model's weights are file-backed."""
+
+
+def plugin_state_bytes(url: str) -> int:
+    """State bytes the plugin holds (unique buffers of slot and cache, plus recycled mappings), from its stats."""
+    try:
+        views = httpx.get(f"{url}/checkpoints/stats", timeout=10).json()["models"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return -1
+    return sum(v.get("resident_bytes", 0) + v.get("pool_free_bytes", 0) for v in views.values())
+
+
+def host_array_rss_bytes(pid: int) -> int:
+    """Resident bytes of the host's large per-position arrays, from ``/proc/PID/smaps``."""
+    total, size, anonymous = 0, 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if not fields[0].endswith(":"):
+                # A mapping header: "start-end perms offset dev inode [path]".
+                anonymous, size = len(fields) < 6, 0
+            elif fields[0] == "Size:":
+                size = int(fields[1]) * 1024
+            elif fields[0] == "Rss:" and anonymous and size >= HOST_ARRAY_MIN_BYTES:
+                total += int(fields[1]) * 1024
+    return total
+
+
+def rss_breakdown(pid: int, top: int = 12) -> list[dict[str, object]]:
+    """The largest resident mappings (what the RSS is made of), from ``/proc/PID/smaps``."""
+    rows: list[dict[str, object]] = []
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if not fields[0].endswith(":"):
+                rows.append({"mapping": fields[5] if len(fields) >= 6 else "[anonymous]", "address": fields[0],
+                             "size": 0, "rss": 0})
+            elif fields[0] == "Size:":
+                rows[-1]["size"] = int(fields[1]) * 1024
+            elif fields[0] == "Rss:":
+                rows[-1]["rss"] = int(fields[1]) * 1024
+    return sorted(rows, key=lambda row: -int(row["rss"]))[:top]  # type: ignore[call-overload]
+
+
 class Soak:
-    def __init__(self, url: str, hang_seconds: float) -> None:
+    def __init__(self, url: str, hang_seconds: float, slot_routes: bool = True) -> None:
         self.url = url
+        self.slot_routes = slot_routes
         self.hang_seconds = hang_seconds
         self.lock = threading.Lock()
         self.served = self.hangs = self.server_errors = self.wrong = self.client_errors = 0
@@ -107,8 +159,10 @@ class Soak:
         self.note("dropped", status, time.monotonic() - started)
 
     def malformed(self, http: httpx.Client, rng: random.Random) -> None:
-        bodies = [b"{not json", b"[1, 2]", b'{"messages": "nope"}', b'{"messages": ' + b"[" * 5000,
-                  b'{"messages": [], "grammar": "root ::= ("}']
+        bodies = [b"{not json", b"[1, 2]", b'{"messages": "nope"}', b'{"messages": ' + b"[" * 5000]
+        if self.slot_routes:
+            # llama_cpp.server alone dies of this one (SIGSEGV in llama.cpp's grammar sampler): not sent to it
+            bodies.append(b'{"messages": [], "grammar": "root ::= ("}')
         started = time.monotonic()
         response = http.post("/v1/chat/completions", content=rng.choice(bodies),
                              headers={"content-type": "application/json"})
@@ -131,7 +185,7 @@ class Soak:
                     self.dropped(http, conversation + [{"role": "user", "content": rng.choice(TURNS)}], rng)
                 elif roll < 0.25:
                     self.malformed(http, rng)
-                elif roll < 0.30:
+                elif roll < 0.30 and self.slot_routes:
                     self.slot(http, rng, client_id)
                 elif roll < 0.40 and len(conversation) > 3:
                     cut = 1 + 2 * rng.randint(0, (len(conversation) - 1) // 2 - 1)
@@ -150,6 +204,65 @@ class Soak:
                     self.client_errors += 1
 
 
+def soak_server(server_args: list[str], args: argparse.Namespace, plain: bool) -> dict[str, Any]:
+    """Run the client mix against one server for ``--minutes``; return its figures and series."""
+    with run_server(server_args, plain=plain, timeout=600) as server:
+        pid = server.process.pid
+        soak = Soak(server.url, args.hang_seconds, slot_routes=not plain)
+        # Warm up: the first request maps the model's pages and the context's compute and output buffers.
+        with httpx.Client(base_url=server.url, timeout=args.hang_seconds) as http:
+            soak.chat(http, [{"role": "user", "content": "warm up"}])
+        soak.served, soak.kinds, soak.ttft = 0, {}, []
+        baseline, host_baseline = rss_bytes(pid), host_array_rss_bytes(pid)
+        deadline = time.monotonic() + args.minutes * 60
+        samples: list[tuple[float, int, int]] = []
+        state: list[tuple[float, int]] = []  # (seconds, state bytes the plugin holds: buffers + recycled mappings)
+        threads = [threading.Thread(target=soak.client, args=(i, deadline), daemon=True)
+                   for i in range(args.clients)]
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        while any(t.is_alive() for t in threads) and server.process.poll() is None:
+            samples.append((time.monotonic() - started, rss_bytes(pid), host_array_rss_bytes(pid)))
+            if not plain:
+                state.append((samples[-1][0], plugin_state_bytes(server.url)))
+            time.sleep(1.0)
+            if time.monotonic() > deadline + 4 * args.hang_seconds:
+                break
+        stuck = sum(t.is_alive() for t in threads)
+        exited = server.process.poll()
+        breakdown = rss_breakdown(pid) if exited is None else []
+        try:
+            stats = None if plain else httpx.get(f"{server.url}/checkpoints/stats", timeout=args.hang_seconds).json()
+            after = httpx.get(f"{server.url}/v1/models", timeout=args.hang_seconds).status_code
+        except httpx.HTTPError as exc:
+            stats, after = None, f"{type(exc).__name__}: {exc}"
+        log_tail = "".join(server.log[-15:]) if exited is not None else ""
+    ttft = sorted(soak.ttft)
+    growth = [r - baseline - (h - host_baseline) for _, r, h in samples]
+    figures: dict[str, Any] = {
+        "requests_served": soak.served, "by_kind": soak.kinds, "hangs": soak.hangs + stuck,
+        "server_errors_5xx": soak.server_errors, "wrong_answers": soak.wrong, "client_errors": soak.client_errors,
+        "ttft_p50_s": statistics.median(ttft) if ttft else None,
+        "ttft_p95_s": ttft[int(0.95 * (len(ttft) - 1))] if ttft else None,
+        "rss_start_bytes": baseline, "rss_peak_bytes": max((r for _, r, _ in samples), default=baseline),
+        "host_arrays_peak_bytes": max((h for _, _, h in samples), default=host_baseline),
+        "growth_beyond_host_peak_bytes": max(growth, default=0),
+        "server_answers_after": after,
+        "server_exit_code": exited,
+        "server_log_tail": log_tail,
+        "rss_breakdown_end": breakdown,
+    }
+    if not plain:
+        views = (stats or {}).get("models") or {}
+        figures["plugin_state_peak_bytes"] = max((b for _, b in state), default=0)
+        figures["final_stats"] = {name: {key: view.get(key) for key in (
+            "resident_bytes", "cache_bytes", "slot_only_bytes", "pool_free_bytes", "cache_entries",
+            "checkpoints_created", "cache_hits", "cache_evictions")} for name, view in views.items()}
+    return {"figures": figures, "rss_series": samples, "growth_series": growth, "state_series": state,
+            "host_baseline": host_baseline}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -157,58 +270,61 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF to serve (default: the embedded Gemma-3-270M)")
     parser.add_argument("--budget", default="256MiB")
     parser.add_argument("--hang-seconds", type=float, default=120.0)
+    parser.add_argument("--no-plain", action="store_true", help="skip the llama_cpp.server run side by side")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--plot", type=pathlib.Path, default=None)
     args = parser.parse_args()
-    slots = tempfile.mkdtemp(prefix="soak-slots-")
-    server_args = ["--n_ctx", "4096", "--n_threads", "2", "--checkpoint-budget", args.budget,
-                   "--slot-save-path", slots]
-    if args.model:
-        server_args += ["--model", args.model]
-    with run_server(server_args, timeout=600) as server:
-        baseline = rss_bytes(server.process.pid)
-        soak = Soak(server.url, args.hang_seconds)
-        deadline = time.monotonic() + args.minutes * 60
-        samples: list[tuple[float, int]] = []
-        threads = [threading.Thread(target=soak.client, args=(i, deadline), daemon=True)
-                   for i in range(args.clients)]
-        started = time.monotonic()
-        for thread in threads:
-            thread.start()
-        while any(t.is_alive() for t in threads):
-            samples.append((time.monotonic() - started, rss_bytes(server.process.pid)))
-            time.sleep(1.0)
-            if time.monotonic() > deadline + 4 * args.hang_seconds:
-                break
-        stuck = sum(t.is_alive() for t in threads)
-        after = httpx.get(f"{server.url}/v1/models", timeout=args.hang_seconds).status_code
+    if args.model is None:
+        from ckpt_plugin.default_model import default_model_path
+
+        args.model = str(default_model_path())
     budget = _parse(args.budget)
-    ttft = sorted(soak.ttft)
-    summary = {
-        "minutes": args.minutes, "clients": args.clients, "budget_bytes": budget,
-        "requests_served": soak.served, "by_kind": soak.kinds, "hangs": soak.hangs + stuck,
-        "server_errors_5xx": soak.server_errors, "wrong_answers": soak.wrong, "client_errors": soak.client_errors,
-        "ttft_p50_s": statistics.median(ttft) if ttft else None,
-        "ttft_p95_s": ttft[int(0.95 * (len(ttft) - 1))] if ttft else None,
-        "rss_start_bytes": baseline, "rss_peak_bytes": max((r for _, r in samples), default=baseline),
-        "rss_growth_over_budget": (max((r for _, r in samples), default=baseline) - baseline) / budget,
-        "server_answers_after": after,
-    }
+    common = ["--model", args.model, "--n_ctx", "4096", "--n_threads", "2"]
+    slots = tempfile.mkdtemp(prefix="soak-slots-")
+    plugin = soak_server(common + ["--checkpoint-budget", args.budget, "--slot-save-path", slots,
+                                   "--checkpoint-admin", "true"], args, plain=False)
+    plain = None if args.no_plain else soak_server(common, args, plain=True)
+    ours = plugin["figures"]
+    summary: dict[str, Any] = {"minutes": args.minutes, "clients": args.clients, "budget_bytes": budget,
+                               "ckpt_serve": ours}
+    # What the plugin adds to the host's memory: its run's growth beyond the host's arrays, minus the same growth of
+    # the host alone under the same traffic (its heap and arenas grow too), and directly, the state bytes it holds.
+    host_growth = plain["figures"]["growth_beyond_host_peak_bytes"] if plain else 0
+    added = ours["growth_beyond_host_peak_bytes"] - host_growth
+    summary.update(
+        llama_cpp_server=plain["figures"] if plain else None,
+        added_growth_peak_bytes=added,
+        added_growth_over_budget=added / budget,
+        plugin_state_over_budget=ours["plugin_state_peak_bytes"] / budget,
+        goal_budget_plus_10pct_met=added <= 1.1 * budget and ours["plugin_state_peak_bytes"] <= 1.1 * budget,
+    )
     print(json.dumps(summary, indent=2))
     if args.out:
-        args.out.write_text(json.dumps({**summary, "rss_series": samples}, indent=1))
+        series = {"ckpt_serve": {k: plugin[k] for k in ("rss_series", "state_series")},
+                  "llama_cpp_server": {"rss_series": plain["rss_series"]} if plain else None}
+        args.out.write_text(json.dumps({**summary, "series": series}, indent=1))
     if args.plot:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.plot([t for t, _ in samples], [r / 2**20 for _, r in samples], label="ckpt-serve RSS")
-        ax.axhline((baseline + budget) / 2**20, color="red", linestyle="--", label="start + checkpoint budget")
+        fig, ax = plt.subplots(figsize=(8, 4))
+        mib = 2**20
+        for label, run in (("ckpt-serve", plugin), ("llama_cpp.server alone", plain)):
+            if run is None:
+                continue
+            seconds = [t for t, _, _ in run["rss_series"]]
+            ax.plot(seconds, [(r - run["rss_series"][0][1]) / mib for _, r, _ in run["rss_series"]],
+                    label=f"{label}: RSS growth")
+            ax.plot(seconds, [g / mib for g in run["growth_series"]], label=f"{label}: growth beyond host arrays")
+        ax.plot([t for t, _ in plugin["state_series"]], [b / mib for _, b in plugin["state_series"]],
+                label="plugin state bytes (its stats)")
+        ax.axhline(budget / mib, color="red", linestyle="--", label="checkpoint budget")
+        ax.axhline(1.1 * budget / mib, color="red", linestyle=":", label="budget + 10%")
         ax.set_xlabel("seconds")
         ax.set_ylabel("MiB")
-        ax.legend()
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(args.plot)
 

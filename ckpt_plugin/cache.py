@@ -3,7 +3,9 @@
 Entries are indexed by a compressed radix tree over token ids per (namespace, fingerprint) partition, so a lookup
 walks the prompt once along the tree (a few vectorized edge comparisons) whatever the number of entries. Budgets are
 in bytes and tokens; bytes are counted once per unique buffer, so entries sharing checkpoints with each other pay for
-them once. Eviction is least-recently-used unless a plugin picks other victims. Entries are immutable: a restore
+them once. The byte budget bounds every state byte of the managers that use the cache: its entries, the buffers
+slots hold outside it (pinned, see :meth:`PromptCache.pin`) and the recycled mappings of its buffer pool. Eviction is
+least-recently-used unless a plugin picks other victims. Entries are immutable: a restore
 never consumes one, it stays valid for the next request.
 """
 
@@ -18,11 +20,25 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
-from .checkpoint import Checkpoint, StateBuffer
+from .checkpoint import Checkpoint, StateBuffer, StateBufferPool
 from .policy import common_prefix
 
 DEFAULT_MAX_BYTES = 2 << 30
 """Default byte budget of a prompt cache: 2 GiB, llama-cpp-python's ``LlamaRAMCache`` default."""
+
+MAX_RECYCLE_BYTES = 64 << 20
+
+
+def recycle_allowance(max_bytes: int) -> int:
+    """Bytes of a budget set aside for freed mappings kept warm for the next capture: 1/16, at most 64 MiB.
+
+    A capture into a recycled mapping costs no page faults; a few buffers' worth is all the steady state needs (each
+    eviction frees about what the next capture takes).
+    """
+    return min(MAX_RECYCLE_BYTES, max_bytes // 16)
+
+Victims = Callable[[Sequence["CacheEntry"], int], Sequence["CacheEntry"]]
+"""Picks victims among LRU-ordered entries for a byte shortfall (``select_cache_victims``)."""
 
 
 @dataclass(eq=False)
@@ -209,20 +225,36 @@ class PromptCache:
     :param max_tokens: Token budget (sum of entry lengths), ``None`` for none.
     """
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_tokens: int | None = None) -> None:
+    def __init__(
+        self, max_bytes: int = DEFAULT_MAX_BYTES, max_tokens: int | None = None, pool: StateBufferPool | None = None
+    ) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         if max_tokens is not None and max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0 or None, got {max_tokens}")
         self.max_bytes = max_bytes
         self.max_tokens = max_tokens
+        self._owns_pool = pool is None
+        self.pool = pool if pool is not None else StateBufferPool(recycle_allowance(max_bytes))
         self._indexes: dict[tuple[str, str], RadixIndex] = {}
         self._lru: OrderedDict[int, CacheEntry] = OrderedDict()
-        # id(buffer) -> [references, buffer]; holding the buffer keeps its id unique while counted.
+        # id(buffer) -> [entry references, pin references, buffer]; holding the buffer keeps its id unique.
         self._buffers: dict[int, list] = {}
+        # id(holder) -> (holder, its pinned buffers)
+        self._pins: dict[int, tuple[object, list[StateBuffer]]] = {}
         self.resident_bytes = 0
         self.n_tokens = 0
         self._lock = threading.RLock()
+
+    @property
+    def entry_budget(self) -> int:
+        """Bytes entries and pinned buffers may take: the budget less the pool's allowance for recycled mappings."""
+        return max(0, self.max_bytes - self.pool.max_free_bytes)
+
+    @property
+    def state_bytes(self) -> int:
+        """Every state byte the budget covers now: unique buffers of entries and pins, plus recycled mappings."""
+        return self.resident_bytes + self.pool.free_bytes
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -242,9 +274,16 @@ class PromptCache:
 
     @locked
     def new_bytes(self, entry: CacheEntry) -> int:
-        """Bytes ``entry`` would add: its buffers the cache does not hold yet."""
+        """Bytes ``entry`` would add to the budget: its buffers neither an entry nor a pin holds yet."""
         unique = {id(b): b for b in entry.buffers()}
         return sum(int(b.nbytes) for key, b in unique.items() if key not in self._buffers)
+
+    @locked
+    def unshared_bytes(self, entry: CacheEntry) -> int:
+        """Bytes of ``entry``'s buffers no entry references yet: what the cache takes on by admitting it (a slot
+        may hold them already)."""
+        unique = {id(b): b for b in entry.buffers()}
+        return sum(int(b.nbytes) for key, b in unique.items() if key not in self._buffers or not self._buffers[key][0])
 
     @locked
     def lookup(
@@ -255,6 +294,31 @@ class PromptCache:
         if index is None or index.size == 0:
             return []
         return index.lookup(prompt, max_candidates)
+
+    @locked
+    def pinned_only_bytes(self) -> int:
+        """Bytes of pinned buffers no entry references (what slots hold beyond the cache's entries)."""
+        return sum(int(slot[2].nbytes) for slot in self._buffers.values() if slot[0] == 0)
+
+    @locked
+    def pin(self, holder: object, buffers: Sequence[StateBuffer],
+            select_victims: Victims | None = None) -> list[tuple[CacheEntry, str]]:
+        """Count ``buffers`` (replacing what ``holder`` pinned before) against the budget, evicting entries to fit.
+
+        A slot pins the buffers it holds outside the cache (its checkpoints, its last full capture), so the budget
+        bounds them too. Pinned buffers are never evicted: if they alone exceed the budget, every entry goes and the
+        holder is expected to hold less. Pinning nothing releases the holder.
+
+        :return: The evicted entries, as ``[(entry, "budget"), ...]``.
+        """
+        old = self._pins.pop(id(holder), None)
+        fresh = list({id(b): b for b in buffers}.values())
+        self._count(fresh, 0, +1, pin=True)
+        if old is not None:
+            self._count(old[1], 0, -1, pin=True)
+        if fresh:
+            self._pins[id(holder)] = (holder, fresh)
+        return self._evict_to_fit(None, select_victims)[1]
 
     @locked
     def contains(self, entry: CacheEntry) -> bool:
@@ -273,35 +337,25 @@ class PromptCache:
         self,
         entry: CacheEntry,
         admit: Callable[[int], bool] = lambda n_bytes: True,
-        select_victims: Callable[[Sequence[CacheEntry], int], Sequence[CacheEntry]] | None = None,
+        select_victims: Victims | None = None,
     ) -> tuple[bool, list[tuple[CacheEntry, str]]]:
         """Add ``entry``, evicting what the budget requires.
 
         An entry with the same tokens is replaced; entries of the same lineage that are strict prefixes of the new
         one (all their checkpoints are in it) are dropped, since the new entry serves every prompt they serve.
 
-        :param admit: Called with the new bytes; ``False`` keeps the entry out.
+        :param admit: Called with :meth:`unshared_bytes`; ``False`` keeps the entry out.
         :param select_victims: Picks victims among LRU-ordered entries for a byte shortfall (default: LRU order).
         :return: ``(admitted, [(removed entry, reason), ...])``.
         """
-        removed: list[tuple[CacheEntry, str]] = []
-        n_bytes = self.new_bytes(entry)
-        if n_bytes > self.max_bytes or (self.max_tokens is not None and entry.n_tokens > self.max_tokens):
-            return False, removed
+        n_bytes = self.unshared_bytes(entry)
+        if n_bytes > self.entry_budget or (self.max_tokens is not None and entry.n_tokens > self.max_tokens):
+            return False, []
         if not admit(n_bytes):
+            return False, []
+        fits, removed = self._evict_to_fit(entry, select_victims)
+        if not fits:
             return False, removed
-        select = select_victims or (lambda entries, missing: list(entries))
-        while self._over_budget(n_bytes, entry.n_tokens):
-            candidates = list(self._lru.values())
-            victims = list(select(candidates, self._bytes_missing(n_bytes)))
-            if not victims:
-                return False, removed
-            for victim in victims:
-                if not self._over_budget(n_bytes, entry.n_tokens):
-                    break
-                self.remove(victim)
-                removed.append((victim, "budget"))
-            n_bytes = self.new_bytes(entry)
         index = self._index(entry.namespace, entry.fingerprint)
         replaced = index.insert(entry)
         if replaced is not None:
@@ -316,13 +370,37 @@ class PromptCache:
                 removed.append((ancestor, "replaced"))
         return True, removed
 
-    def _bytes_missing(self, n_bytes: int) -> int:
-        return max(0, self.resident_bytes + n_bytes - self.max_bytes)
+    def _evict_to_fit(
+        self, entry: CacheEntry | None, select_victims: Victims | None
+    ) -> tuple[bool, list[tuple[CacheEntry, str]]]:
+        """Evict until ``entry`` (or nothing, for ``None``) fits the budgets; return whether it does and the victims.
 
-    def _over_budget(self, n_bytes: int, n_tokens: int) -> bool:
-        if self.resident_bytes + n_bytes > self.max_bytes:
-            return True
-        return self.max_tokens is not None and self.n_tokens + n_tokens > self.max_tokens
+        The one eviction loop of the cache: insertions, pins and budget changes all go through it, and so through
+        the ``select_cache_victims`` selector when one is given.
+        """
+        select = select_victims or (lambda entries, missing: list(entries))
+        removed: list[tuple[CacheEntry, str]] = []
+        while True:
+            n_bytes = self.new_bytes(entry) if entry is not None else 0
+            n_tokens = entry.n_tokens if entry is not None else 0
+            missing = self.resident_bytes + n_bytes - self.entry_budget
+            over_tokens = self.max_tokens is not None and self.n_tokens + n_tokens > self.max_tokens
+            if missing <= 0 and not over_tokens:
+                return True, removed
+            progressed = False
+            for victim in list(select(list(self._lru.values()), max(0, missing))):
+                if id(victim) not in self._lru:
+                    continue  # a selector may name entries the cache no longer holds
+                self.remove(victim)
+                removed.append((victim, "budget"))
+                progressed = True
+                n_bytes = self.new_bytes(entry) if entry is not None else 0
+                if self.resident_bytes + n_bytes <= self.entry_budget and not (
+                    self.max_tokens is not None and self.n_tokens + n_tokens > self.max_tokens
+                ):
+                    return True, removed
+            if not progressed:
+                return False, removed
 
     @locked
     def remove(self, entry: CacheEntry) -> None:
@@ -337,22 +415,22 @@ class PromptCache:
             self._account(entry, -1)
 
     def _account(self, entry: CacheEntry, sign: int) -> None:
-        self.n_tokens += sign * entry.n_tokens
-        for buffer in {id(b): b for b in entry.buffers()}.values():
+        self._count(list({id(b): b for b in entry.buffers()}.values()), entry.n_tokens, sign, pin=False)
+
+    def _count(self, buffers: Sequence[StateBuffer], n_tokens: int, sign: int, pin: bool) -> None:
+        """Add (``sign`` +1) or drop (-1) one holder's references to unique ``buffers``."""
+        self.n_tokens += sign * n_tokens
+        column = 1 if pin else 0
+        for buffer in buffers:
             key = id(buffer)
-            if sign > 0:
-                slot = self._buffers.get(key)
-                if slot is None:
-                    self._buffers[key] = [1, buffer]
-                    self.resident_bytes += int(buffer.nbytes)
-                else:
-                    slot[0] += 1
-            else:
-                slot = self._buffers[key]
-                slot[0] -= 1
-                if slot[0] == 0:
-                    del self._buffers[key]
-                    self.resident_bytes -= int(buffer.nbytes)
+            slot = self._buffers.get(key)
+            if slot is None:
+                slot = self._buffers[key] = [0, 0, buffer]
+                self.resident_bytes += int(buffer.nbytes)
+            slot[column] += sign
+            if slot[0] == 0 and slot[1] == 0:
+                del self._buffers[key]
+                self.resident_bytes -= int(buffer.nbytes)
 
     @locked
     def clear(self, namespace: str | None = None) -> list[CacheEntry]:
@@ -363,14 +441,11 @@ class PromptCache:
         return entries
 
     @locked
-    def resize(self, max_bytes: int) -> list[CacheEntry]:
-        """Change the byte budget, evicting least recently used entries to fit; return the evicted ones."""
+    def resize(self, max_bytes: int, select_victims: Victims | None = None) -> list[CacheEntry]:
+        """Change the byte budget, evicting to fit (through ``select_victims`` if given); return the evicted entries."""
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        evicted = []
-        while self.resident_bytes > self.max_bytes and self._lru:
-            victim = next(iter(self._lru.values()))
-            self.remove(victim)
-            evicted.append(victim)
-        return evicted
+        if self._owns_pool:
+            self.pool.trim(recycle_allowance(max_bytes))
+        return [entry for entry, _ in self._evict_to_fit(None, select_victims)[1]]

@@ -82,13 +82,23 @@ class StateBufferPool:
         with self._lock:
             self._free.append(backing)
             self._free_bytes += len(backing)
-            while self._free_bytes > self.max_free_bytes and self._free:
-                oldest = self._free.pop(0)
-                self._free_bytes -= len(oldest)
-                try:
-                    oldest.close()
-                except BufferError:  # still exported somewhere: the mapping goes when its last view does
-                    pass
+            self._trim_locked()
+
+    def trim(self, max_free_bytes: int | None = None) -> None:
+        """Unmap recycled mappings beyond ``max_free_bytes`` (and keep that limit from now on), oldest first."""
+        with self._lock:
+            if max_free_bytes is not None:
+                self.max_free_bytes = max(0, max_free_bytes)
+            self._trim_locked()
+
+    def _trim_locked(self) -> None:
+        while self._free_bytes > self.max_free_bytes and self._free:
+            oldest = self._free.pop(0)
+            self._free_bytes -= len(oldest)
+            try:
+                oldest.close()
+            except BufferError:  # still exported somewhere: the mapping goes when its last view does
+                pass
 
     @property
     def free_bytes(self) -> int:

@@ -19,7 +19,7 @@ import pluggy
 
 from . import hooks
 from .cache import CacheEntry, PromptCache
-from .checkpoint import Checkpoint, ExtraState, allocate_state_buffer, freeze
+from .checkpoint import Checkpoint, ExtraState, freeze
 from .config import CheckpointSettings
 from .disk_tier import DiskTier
 from .errors import (
@@ -39,6 +39,7 @@ from .policy import (
     Reuse,
     best_reuse,
     checkpoints_to_erase,
+    slot_checkpoint_limit,
     common_prefix,
     default_min_step,
     pause_points,
@@ -291,12 +292,12 @@ class CheckpointManager:
         slot = self.slot
         size = int(self.backend.state_size(partial))
         try:
-            buffer = allocate_state_buffer(size)
+            buffer = self.cache.pool.allocate(size)
         except MemoryError:
             # Make room by shrinking the cache budget instead of failing the request.
             shrunk = max(0, self.cache.resident_bytes - size)
             log.warning("allocation of %d state bytes failed; prompt-cache budget shrunk to %d", size, shrunk)
-            self._note_evictions(self.cache.resize(shrunk), "budget")
+            self._note_evictions(self.cache.resize(shrunk, self._select_victims), "budget")
             self.counters.capture_failures += 1
             self.call_hook("on_capture_failed", manager=self, slot=slot, expected=size, written=0)
             return None
@@ -347,11 +348,24 @@ class CheckpointManager:
             return None
         slot.checkpoints.append(checkpoint)
         self.counters.checkpoints_created += 1
-        for victim in checkpoints_to_erase(slot.checkpoints, self.settings.max_checkpoints):
+        limit = slot_checkpoint_limit(self.settings.max_checkpoints, self.cache.entry_budget, checkpoint.nbytes)
+        for victim in checkpoints_to_erase(slot.checkpoints, limit):
             slot.checkpoints.remove(victim)
             self._erased(victim, "limit")
+        self._pin_slot()
         self.call_hook("on_checkpoint_created", manager=self, slot=slot, checkpoint=checkpoint)
         return checkpoint
+
+    def _pin_slot(self) -> None:
+        """Count what the slot holds outside the cache (checkpoints, last full capture) against the budget."""
+        buffers = [b for c in self.slot.checkpoints for b in c.buffers()]
+        if self._full_capture is not None:
+            buffers.extend(self._full_capture[1].buffers())
+        for victim, reason in self.cache.pin(self.slot, buffers, self._select_victims):
+            self._note_evictions([victim], reason)
+
+    def _select_victims(self, entries: Sequence[CacheEntry], n_bytes: int) -> Sequence[CacheEntry]:
+        return self.call_hook("select_cache_victims", manager=self, entries=entries, n_bytes=n_bytes) or []
 
     def _erased(self, checkpoint: Checkpoint, reason: str) -> None:
         self.counters.checkpoints_erased += 1
@@ -367,6 +381,7 @@ class CheckpointManager:
         dropped, slot.checkpoints = slot.checkpoints, []
         slot._set(slot.tokens[:0])
         self._full_capture = None
+        self._pin_slot()
         for checkpoint in dropped:
             self._erased(checkpoint, reason)
 
@@ -384,6 +399,7 @@ class CheckpointManager:
                 raise CaptureError("the slot's state could not be captured")
             state = captured
             self._full_capture = (slot.version, state)
+            self._pin_slot()
         tokens = slot.tokens.copy()
         tokens.flags.writeable = False
         checkpoints = tuple(c for c in slot.checkpoints if c.n_tokens <= slot.n_tokens)
@@ -399,6 +415,7 @@ class CheckpointManager:
         self._restore(entry.state)
         self._adopt(entry.tokens, entry.checkpoints, len(entry.tokens))
         self._full_capture = (self.slot.version, entry.state)
+        self._pin_slot()
         if self.cache.contains(entry):
             # A host that consults its cache itself (``Llama.load_state(cache[key])``) hits through here.
             self.counters.cache_hits += 1
@@ -421,8 +438,10 @@ class CheckpointManager:
         the cache used so far move over (within the new budget)."""
         if cache is not self.cache:
             old, self.cache = self.cache, cache
+            old.pin(self.slot, ())
             for entry in old.clear():
                 self.admit(entry, write_through=False)
+            self._pin_slot()
         if disk is not None:
             self.disk = disk
 
@@ -435,9 +454,7 @@ class CheckpointManager:
             admit=lambda n_bytes: self.call_hook(
                 "on_cache_alloc", manager=self, namespace=entry.namespace, n_tokens=entry.n_tokens, n_bytes=n_bytes
             ) is not False,
-            select_victims=lambda entries, n_bytes: self.call_hook(
-                "select_cache_victims", manager=self, entries=entries, n_bytes=n_bytes
-            ) or [],
+            select_victims=self._select_victims,
         )
         for victim, reason in removed:
             self._note_evictions([victim], reason)
@@ -481,6 +498,7 @@ class CheckpointManager:
         self.slot.checkpoints = []
         self.slot._set(np.asarray(tokens, dtype=np.int32))
         self._full_capture = None
+        self._pin_slot()
         for checkpoint in old:
             self._erased(checkpoint, "invalidated")
 
@@ -506,7 +524,7 @@ class CheckpointManager:
     def resize_cache(self, max_bytes: int) -> None:
         """Change the prompt cache's byte budget (validated like ``cache_max_bytes``), evicting to fit."""
         self.settings.cache_max_bytes = max_bytes
-        self._note_evictions(self.cache.resize(max_bytes), "budget")
+        self._note_evictions(self.cache.resize(max_bytes, self._select_victims), "budget")
 
     def current_namespace(self) -> str:
         """The namespace of the request being served (the manager's own outside a request scope)."""
@@ -597,6 +615,7 @@ class CheckpointManager:
         if entry is None and live.n_keep < max(len(prompt) - 1, 0) and not just_loaded:
             self.counters.cache_misses += 1
         self.counters.tokens_reused += n_keep
+        self._pin_slot()
         scope = current_request.get()
         if scope is not None:
             scope.prompt_tokens, scope.cached_tokens = len(prompt), n_keep
@@ -666,6 +685,7 @@ class CheckpointManager:
             self._full_capture = None
             if a < prompt_end:
                 self.call_hook("on_prompt_processed", manager=self, slot=slot, start=a, end=b, prompt_end=prompt_end)
+        self._pin_slot()
 
     # ---------------------------------------------------------------------------------------------------------------
     # introspection
@@ -686,13 +706,18 @@ class CheckpointManager:
             for buffer in buffers:
                 unique[id(buffer)] = int(buffer.nbytes)
                 referenced += int(buffer.nbytes)
+        slot_only = self.cache.pinned_only_bytes()
         out: dict[str, Any] = asdict(self.counters)
         out.update(
             bytes_copied=self.counters.bytes_captured + self.counters.bytes_restored,
             resident_bytes=sum(unique.values()),
+            slot_only_bytes=slot_only,
+            pool_free_bytes=self.cache.pool.free_bytes,
+            state_bytes=self.cache.state_bytes,
+            state_budget_bytes=self.cache.max_bytes,
             referenced_bytes=referenced,
             cache_entries=len(entries),
-            cache_bytes=self.cache.resident_bytes,
+            cache_bytes=self.cache.resident_bytes - slot_only,
             cache_tokens=self.cache.n_tokens,
             slot_tokens=self.slot.n_tokens,
             lineage_tokens=self.slot.n_lineage,
@@ -792,4 +817,5 @@ class CheckpointManager:
     def close(self) -> None:
         """Drop the slot's checkpoints and tell the plugins the manager is going away."""
         self._drop_slot_state("cleared")
+        self.cache.pin(self.slot, ())
         self.call_hook("on_detach", manager=self)

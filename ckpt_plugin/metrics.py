@@ -35,6 +35,9 @@ COUNTERS = {
 GAUGES = {
     "resident_bytes": "Bytes of unique state buffers held by slots and the cache",
     "referenced_bytes": "Bytes the same references would hold as copies",
+    "state_bytes": "State bytes the budget covers: entries, slot checkpoints and recycled buffers",
+    "state_budget_bytes": "The state byte budget (--checkpoint-budget)",
+    "pool_free_bytes": "Bytes of freed state buffers kept mapped for the next capture",
     "cache_entries": "Prompt-cache entries",
     "cache_tokens": "Tokens held by prompt-cache entries",
     "slot_checkpoints": "Checkpoints held by the slot",

@@ -254,3 +254,19 @@ def checkpoints_to_erase(checkpoints: Sequence[Checkpoint], limit: int) -> list[
         victim = kept.pop(int(np.argmin(gaps)))
         erased.append(victim)
     return erased
+
+
+SLOT_BUDGET_SHARE = 2
+"""A slot's checkpoints may take at most 1/``SLOT_BUDGET_SHARE`` of the state budget; the rest is the cache's."""
+
+
+def slot_checkpoint_limit(max_checkpoints: int, budget_bytes: int, checkpoint_bytes: int) -> int:
+    """How many checkpoints of ``checkpoint_bytes`` a slot may keep under a byte budget (``budget_bytes`` 0: none).
+
+    The budget bounds every state byte, the slot's too: its checkpoints get half of it, so that a long prompt's
+    checkpoints cannot push every cache entry out. The newest checkpoint is always kept (one is what a restore
+    inside the slot needs), and with no budget (the cache turned off) only ``max_checkpoints`` applies.
+    """
+    if budget_bytes <= 0 or checkpoint_bytes <= 0:
+        return max_checkpoints
+    return max(1, min(max_checkpoints, budget_bytes // SLOT_BUDGET_SHARE // checkpoint_bytes))

@@ -24,8 +24,9 @@ import logging
 from typing import Any, Sequence
 
 import numpy as np
+
 from .cache import CacheEntry
-from .checkpoint import Checkpoint, ExtraState, freeze
+from .checkpoint import Checkpoint, ExtraState, StateBufferPool, allocate_state_buffer, freeze
 from .errors import IncompatibleStateError, UnsupportedHostError
 from .hooks import hookimpl
 from .llama_backend import LlamaDraftModel, attach, last_logits, vocab_digest
@@ -124,7 +125,7 @@ class DraftStatePlugin:
         # Full draft state, whatever ``partial`` says: the draft's own memory may not hold the attention part a
         # partial state would need once the target restores it.
         size = draft.backend.state_size(partial=False)
-        buffer = draft_buffer(size)
+        buffer = draft_buffer(size, manager.cache.pool)
         written = draft.backend.read_state(buffer[HEADER:], partial=False)
         if written != size:
             log.warning("draft state capture wrote %d of %d bytes; checkpoint kept without draft state", written, size)
@@ -161,11 +162,10 @@ class DraftStatePlugin:
         log.warning("draft state dropped: %s; the draft catches up by evaluating the prompt", why)
 
 
-def draft_buffer(size: int) -> np.ndarray:
-    """A writable buffer with room for the draft header in front of ``size`` state bytes."""
-    from .checkpoint import allocate_state_buffer
-
-    return allocate_state_buffer(HEADER + size)
+def draft_buffer(size: int, pool: StateBufferPool | None = None) -> np.ndarray:
+    """A writable buffer with room for the draft header in front of ``size`` state bytes (from ``pool``: the
+    cache's, so that its recycled mappings stay within the budget)."""
+    return allocate_state_buffer(HEADER + size, pool)
 
 
 def parse_draft_header(data: np.ndarray) -> tuple[bytes, int]:

@@ -139,3 +139,59 @@ def test_invalid_budgets_are_refused() -> None:
         PromptCache(max_bytes=-1)
     with pytest.raises(ValueError):
         PromptCache(max_tokens=-5)
+
+
+def test_pinned_buffers_count_against_the_budget_once_and_evict_entries() -> None:
+    cache = PromptCache(max_bytes=3200)  # 200 bytes of it are the pool's allowance: 3000 for entries and pins
+    a, b = entry([1, 2], 1000), entry([3, 4], 1000)
+    assert cache.insert(a)[0] and cache.insert(b)[0]
+    held = checkpoint(9, 1500)
+    removed = cache.pin("slot", [held.target])
+    assert [r for r, _ in removed] == [a] and cache.resident_bytes == 2500
+    assert cache.pinned_only_bytes() == 1500
+    # an entry referencing the pinned buffer pays nothing for it
+    c = entry([5, 6], 400, (held,))
+    assert cache.new_bytes(c) == 400 and cache.unshared_bytes(c) == 1900
+    assert cache.insert(c)[0] and cache.resident_bytes == 2900 and cache.pinned_only_bytes() == 0
+    # releasing the pin keeps the buffer for the entry that references it
+    assert cache.pin("slot", []) == [] and cache.resident_bytes == 2900
+    cache.remove(c)
+    assert cache.resident_bytes == 1000
+
+
+def test_pins_larger_than_the_budget_empty_the_cache_and_stay_counted() -> None:
+    cache = PromptCache(max_bytes=1600)
+    assert cache.insert(entry([1], 1000))[0]
+    removed = cache.pin("slot", [buffer(2000)])
+    assert len(removed) == 1 and len(cache) == 0 and cache.resident_bytes == 2000
+    assert not cache.insert(entry([2], 10))[0]
+
+
+def test_resize_goes_through_the_victim_selector() -> None:
+    cache = PromptCache(max_bytes=4000)
+    entries = [entry([i], 1000) for i in range(3)]
+    for e in entries:
+        cache.insert(e)
+    asked: list[int] = []
+
+    def newest_first(candidates: list[CacheEntry], n_bytes: int) -> list[CacheEntry]:
+        asked.append(n_bytes)
+        return list(reversed(candidates))
+
+    evicted = cache.resize(1500, newest_first)  # room for one entry
+    assert asked and evicted == [entries[2], entries[1]]
+
+
+def test_recycled_mappings_stay_within_the_budget() -> None:
+    budget = 8 << 20
+    cache = PromptCache(max_bytes=budget)
+    rng = np.random.default_rng(0)
+    for i in range(60):
+        size = int(rng.integers(200_000, 700_000))
+        data = cache.pool.allocate(size)
+        data[:] = 1
+        state = Checkpoint(1, 0, 0, False, freeze(data), "fp")
+        cache.insert(CacheEntry(np.asarray([i], dtype=np.int32), state, ()))
+        del data, state
+        assert cache.state_bytes <= budget
+    assert cache.pool.reused > 0  # evicted entries' mappings serve later captures
