@@ -1,15 +1,21 @@
-"""Soak: concurrent real clients against ckpt-serve for a while; counts hangs, 5xx and wrong answers, samples RSS.
+"""Soak: concurrent real clients against ckpt-serve, then llama_cpp.server alone, under the same mix of traffic.
 
     python bench/soak.py --minutes 10 --clients 16 [--model PATH] [--budget 256MiB] [--out docs/soak.json]
+                         [--plot docs/soak-rss.png] [--no-plain]
 
 Each client loops over a mix: multi-turn chats (checked against the answers the same server gave the same request
 earlier, greedy), branches (an earlier turn edited), streams dropped mid-way (20%), malformed bodies (5%), slot saves
-and restores. A request that takes longer than ``--hang-seconds`` counts as a hang. The server's resident memory is
-sampled every second from /proc, together with the resident part of the host's own ``scores`` array (llama-cpp-python
-allocates ``n_ctx x n_vocab`` floats with ``logits_all=True``; its pages become resident as positions are written, 1 MiB
-per position on Gemma-3) and of llama.cpp's output buffer (``n_batch`` rows of logits): the growth that counts against the checkpoint budget is the RSS growth beyond the model,
-the context and that array, measured from a warmed-up server. Prints a JSON summary and writes it (with the series)
-to ``--out``; ``--plot`` draws the series against the budget (matplotlib, in the ``bench`` extra).
+and restores (ckpt-serve only: the host alone has no slot routes). A request that takes longer than
+``--hang-seconds`` counts as a hang.
+
+Memory: the server's RSS is sampled every second from /proc, with the resident part of the host's large per-position
+arrays (llama-cpp-python's ``n_ctx x n_vocab`` ``scores`` and llama.cpp's output buffer, both from
+``logits_all=True``; their pages become resident as positions are written), and for ckpt-serve the state bytes the
+plugin reports (``/checkpoints/stats``: unique buffers of slot and cache plus recycled mappings). The host alone grows
+too under the same traffic (heap, thread arenas, compute buffers): what the plugin adds is its run's growth beyond the
+host arrays minus the host's own, measured side by side in one run from warmed-up servers; the goal is that this, and
+the plugin's own state bytes, stay within the budget + 10%. Prints a JSON summary and writes it (with the series) to
+``--out``; ``--plot`` draws the series against the budget (matplotlib, in the ``bench`` extra).
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
 """The prompt cache: states of prompts no longer live in a slot, found by longest common token prefix.
 
-Entries are indexed by a compressed radix tree over token ids per (namespace, fingerprint) partition, so a lookup
-walks the prompt once along the tree (a few vectorized edge comparisons) whatever the number of entries. Budgets are
+Entries are indexed by a compressed radix tree over token ids (:mod:`ckpt_plugin.radix`) per (namespace,
+fingerprint) partition. Budgets are
 in bytes and tokens; bytes are counted once per unique buffer, so entries sharing checkpoints with each other pay for
 them once. The byte budget bounds every state byte of the managers that use the cache: its entries, the buffers
 slots hold outside it (pinned, see :meth:`PromptCache.pin`) and the recycled mappings of its buffer pool. Eviction is
-least-recently-used unless a plugin picks other victims. Entries are immutable: a restore
-never consumes one, it stays valid for the next request.
+least-recently-used unless a plugin picks other victims. Entries are immutable: a restore never consumes one, it
+stays valid for the next request.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import numpy as np
 
 from .checkpoint import Checkpoint, StateBuffer, StateBufferPool
-from .policy import common_prefix
+from .radix import RadixIndex
 
 DEFAULT_MAX_BYTES = 2 << 30
 """Default byte budget of a prompt cache: 2 GiB, llama-cpp-python's ``LlamaRAMCache`` default."""
@@ -56,7 +55,7 @@ class CacheEntry:
     checkpoints: tuple[Checkpoint, ...]
     namespace: str = "default"
     hits: int = 0
-    _node: _Node | None = field(default=None, repr=False)
+    _node: Any = field(default=None, repr=False)  # its place in the radix index
 
     @property
     def fingerprint(self) -> str:
@@ -80,125 +79,6 @@ class CacheEntry:
     def nbytes(self) -> int:
         """Bytes of the unique buffers of this entry."""
         return sum(int(b.nbytes) for b in {id(b): b for b in self.buffers()}.values())
-
-
-class _Node:
-    __slots__ = ("edge", "children", "entry", "parent")
-
-    def __init__(self, edge: np.ndarray, parent: _Node | None) -> None:
-        self.edge = edge
-        self.children: dict[int, _Node] = {}
-        self.entry: CacheEntry | None = None
-        self.parent = parent
-
-
-class RadixIndex:
-    """A compressed radix tree mapping token sequences to entries."""
-
-    def __init__(self) -> None:
-        self.root = _Node(np.empty(0, dtype=np.int32), None)
-        self.size = 0
-
-    def insert(self, entry: CacheEntry) -> CacheEntry | None:
-        """Index ``entry``; return the entry it replaces (same tokens), if any."""
-        node, tokens, i = self.root, entry.tokens, 0
-        while i < len(tokens):
-            child = node.children.get(int(tokens[i]))
-            if child is None:
-                leaf = _Node(tokens[i:], node)
-                node.children[int(tokens[i])] = leaf
-                node = leaf
-                i = len(tokens)
-                break
-            n = common_prefix(child.edge, tokens[i:])
-            if n < len(child.edge):
-                child = self._split(child, n)
-            node, i = child, i + n
-        replaced = node.entry
-        if replaced is not None:
-            replaced._node = None
-        else:
-            self.size += 1
-        node.entry = entry
-        entry._node = node
-        return replaced
-
-    @staticmethod
-    def _split(node: _Node, n: int) -> _Node:
-        parent = node.parent
-        assert parent is not None
-        middle = _Node(node.edge[:n], parent)
-        parent.children[int(node.edge[0])] = middle
-        node.edge = node.edge[n:]
-        node.parent = middle
-        middle.children[int(node.edge[0])] = node
-        return middle
-
-    def remove(self, entry: CacheEntry) -> None:
-        """Remove ``entry`` and prune the nodes it leaves empty."""
-        node = entry._node
-        if node is None or node.entry is not entry:
-            return
-        node.entry = None
-        entry._node = None
-        self.size -= 1
-        while node.parent is not None and node.entry is None and not node.children:
-            parent = node.parent
-            del parent.children[int(node.edge[0])]
-            node = parent
-        if node.parent is not None and node.entry is None and len(node.children) == 1:
-            (only,) = node.children.values()
-            only.edge = np.concatenate((node.edge, only.edge))
-            only.parent = node.parent
-            node.parent.children[int(only.edge[0])] = only
-
-    def ancestors(self, entry: CacheEntry) -> Iterator[CacheEntry]:
-        """Entries whose tokens are a strict prefix of ``entry``'s, deepest first."""
-        node = entry._node.parent if entry._node is not None else None
-        while node is not None:
-            if node.entry is not None:
-                yield node.entry
-            node = node.parent
-
-    def lookup(self, prompt: np.ndarray, max_candidates: int = 8) -> list[tuple[CacheEntry, int]]:
-        """Entries sharing the longest prefixes with ``prompt``, as ``(entry, common prefix length)``.
-
-        Returns the deepest entry that is a prefix of ``prompt`` and up to ``max_candidates`` entries below the point
-        where ``prompt`` leaves the tree (they all share exactly that many tokens with it), nearest first.
-        """
-        node, i = self.root, 0
-        prefix_entry: tuple[CacheEntry, int] | None = None
-        stop: _Node | None = None
-        while True:
-            if node.entry is not None:
-                prefix_entry = (node.entry, i)
-            if i >= len(prompt):
-                stop = node
-                break
-            child = node.children.get(int(prompt[i]))
-            if child is None:
-                stop = node
-                break
-            # The first token matched through the dict key; one-token edges (common near branch points) need no more.
-            n = 1 if len(child.edge) == 1 else common_prefix(child.edge, prompt[i:])
-            if n < len(child.edge):
-                i += n
-                stop = child
-                break
-            node, i = child, i + n
-        found: list[tuple[CacheEntry, int]] = []
-        frontier = [stop]
-        while frontier and len(found) < max_candidates:
-            nxt: list[_Node] = []
-            for current in frontier:
-                if current.entry is not None and (prefix_entry is None or current.entry is not prefix_entry[0]):
-                    found.append((current.entry, i))
-                # Every subtree holds an entry, so a few children per node are enough: no scan of wide nodes.
-                nxt.extend(itertools.islice(current.children.values(), max_candidates))
-            frontier = nxt
-        if prefix_entry is not None:
-            found.insert(0, prefix_entry)
-        return found[: max_candidates + 1]
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -236,7 +116,7 @@ class PromptCache:
         self.max_tokens = max_tokens
         self._owns_pool = pool is None
         self.pool = pool if pool is not None else StateBufferPool(recycle_allowance(max_bytes))
-        self._indexes: dict[tuple[str, str], RadixIndex] = {}
+        self._indexes: dict[tuple[str, str], RadixIndex[CacheEntry]] = {}
         self._lru: OrderedDict[int, CacheEntry] = OrderedDict()
         # id(buffer) -> [entry references, pin references, buffer]; holding the buffer keeps its id unique.
         self._buffers: dict[int, list] = {}
@@ -265,7 +145,7 @@ class PromptCache:
         entries = list(self._lru.values())
         return entries if namespace is None else [e for e in entries if e.namespace == namespace]
 
-    def _index(self, namespace: str, fingerprint: str) -> RadixIndex:
+    def _index(self, namespace: str, fingerprint: str) -> RadixIndex[CacheEntry]:
         key = (namespace, fingerprint)
         index = self._indexes.get(key)
         if index is None:

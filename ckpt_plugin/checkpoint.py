@@ -106,7 +106,8 @@ class StateBufferPool:
         return self._free_bytes
 
 
-DEFAULT_POOL = StateBufferPool()
+DEFAULT_POOL = StateBufferPool(64 << 20)
+"""The pool of buffers allocated outside any prompt cache (each cache has its own, within its budget)."""
 
 
 def allocate_state_buffer(n_bytes: int, pool: StateBufferPool | None = None) -> StateBuffer:

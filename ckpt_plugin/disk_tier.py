@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from .cache import CacheEntry, RadixIndex, locked
+from .cache import CacheEntry, locked
 
 from .errors import CheckpointError, CorruptFileError
 from .persist import read_entry, read_header, remove_stale_temp_files, write_entry
+from .radix import RadixIndex
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -31,7 +32,7 @@ SUFFIX = ".ckpt"
 
 @dataclass(eq=False)
 class DiskRecord:
-    """An entry on disk, known by its header. ``tokens`` and ``_node`` make it indexable like a cache entry."""
+    """An entry on disk, known by its header (``_node`` is its place in the tier's radix index)."""
 
     path: pathlib.Path
     tokens: np.ndarray
@@ -52,7 +53,7 @@ class DiskTier:
         self.directory = pathlib.Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self._indexes: dict[tuple[str, str], RadixIndex] = {}
+        self._indexes: dict[tuple[str, str], RadixIndex[DiskRecord]] = {}
         self._records: OrderedDict[pathlib.Path, DiskRecord] = OrderedDict()
         self.resident_bytes = 0
         # Several managers (threads) may share one tier; held for bookkeeping and one file write or map at a time.
@@ -63,6 +64,9 @@ class DiskTier:
         return len(self._records)
 
     def _scan(self) -> None:
+        # A writer killed mid-save leaves its temporary file; an hour old, it belongs to no live write.
+        for stale in remove_stale_temp_files(self.directory):
+            log.info("disk tier: removed %s, left by an interrupted write", stale.name)
         files = sorted(self.directory.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:
             try:
@@ -76,9 +80,9 @@ class DiskTier:
     def _add(self, record: DiskRecord) -> None:
         key = (record.namespace, record.fingerprint)
         index = self._indexes.get(key) or self._indexes.setdefault(key, RadixIndex())
-        replaced = index.insert(record)  # type: ignore[arg-type]
+        replaced = index.insert(record)
         if replaced is not None:
-            self._forget(replaced)  # type: ignore[arg-type]
+            self._forget(replaced)
         self._records[record.path] = record
         self.resident_bytes += record.size
 
@@ -87,7 +91,7 @@ class DiskTier:
             self.resident_bytes -= record.size
 
     def _remove(self, record: DiskRecord) -> None:
-        self._indexes[(record.namespace, record.fingerprint)].remove(record)  # type: ignore[arg-type]
+        self._indexes[(record.namespace, record.fingerprint)].remove(record)
         self._forget(record)
         record.path.unlink(missing_ok=True)
 
@@ -127,7 +131,7 @@ class DiskTier:
         index = self._indexes.get((namespace, fingerprint))
         if index is None or index.size == 0:
             return []
-        return index.lookup(prompt)  # type: ignore[return-value]
+        return index.lookup(prompt)
 
     @locked
     def load(self, record: DiskRecord) -> CacheEntry | None:
@@ -136,7 +140,7 @@ class DiskTier:
             entry = read_entry(record.path, expected_fingerprint=record.fingerprint)
         except (CheckpointError, OSError) as exc:
             log.warning("disk tier: dropping %s: %s", record.path.name, exc)
-            self._indexes[(record.namespace, record.fingerprint)].remove(record)  # type: ignore[arg-type]
+            self._indexes[(record.namespace, record.fingerprint)].remove(record)
             self._forget(record)
             if record.path.exists():
                 record.path.replace(record.path.with_suffix(".corrupt"))

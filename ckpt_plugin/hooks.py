@@ -202,7 +202,7 @@ def on_cache_alloc(manager: CheckpointManager, namespace: str, n_tokens: int, n_
 
     Stops at the first non-``None`` result. Return ``False`` to keep the entry out (a veto), ``True`` to admit it
     without asking later plugins; the default plugin admits everything that fits the budget. ``n_bytes`` counts only
-    buffers the cache does not already hold (shared checkpoints are counted once).
+    buffers no cache entry references yet (shared checkpoints are counted once; a slot may hold them already).
 
     :param manager: The calling manager.
     :param namespace: The tenant namespace of the entry.

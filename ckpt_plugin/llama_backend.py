@@ -453,7 +453,7 @@ def attach(
     manager = CheckpointManager(LlamaBackend(llama), settings, cache=cache, disk=disk, **overrides)
     attachment = _Attachment(llama, manager)
     attachment.install()
-    manager.call_hook("on_attach", manager=manager)
+    manager.hooks.on_attach()
     return manager
 
 

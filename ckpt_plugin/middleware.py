@@ -30,7 +30,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .body_limit import BodyLimitMiddleware, BodyTooLarge, ClientDisconnect, error_response, read_body
 from .config import ServeSettings
-from .manager import CheckpointManager
 from .metrics import Metrics
 from .request import RequestScope, current_request
 from .routes import CheckpointRoutes, Managers, unique_managers

@@ -14,7 +14,7 @@ Nothing here touches llama.cpp. The rules follow llama.cpp's server (``tools/ser
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Generic, Iterable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -190,6 +190,117 @@ def best_reuse(
         if n_keep > best.n_keep:
             best = Reuse(n_keep, checkpoint, n_common)
     return best
+
+
+class Candidate(Protocol):
+    """A stored state a prompt may start from (a cache entry of any tier)."""
+
+    @property
+    def tokens(self) -> np.ndarray: ...
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    @property
+    def pos_min(self) -> int: ...
+
+    @property
+    def checkpoints(self) -> Sequence[Checkpoint]: ...
+
+
+C = TypeVar("C", bound=Candidate)
+
+
+@dataclass(frozen=True, slots=True)
+class Hit(Generic[C]):
+    """A candidate found by a store's lookup, not fetched yet.
+
+    :ivar tier: The tier it lives in (``"ram"``, ``"disk"``, ...).
+    :ivar n_common: Tokens it shares with the prompt at most (what the index matched).
+    :ivar fetch: Returns the candidate (mapping a file, fetching from a remote tier), or ``None`` if it is gone.
+    """
+
+    tier: str
+    n_common: int
+    fetch: Callable[[], C | None]
+
+
+@dataclass(frozen=True, slots=True)
+class LiveMemory:
+    """The slot as the planner sees it: its lineage, how much of it the memory holds, its checkpoints."""
+
+    lineage: np.ndarray
+    n_tokens: int
+    pos_min: int
+    checkpoints: Sequence[Checkpoint]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan(Generic[C]):
+    """How a prompt will be served: what to restore, where to truncate, what to evaluate.
+
+    :ivar n_keep: Prompt tokens the memory will hold without evaluation; ``prompt[n_keep:]`` is evaluated.
+    :ivar entry: The stored candidate to restore, or ``None`` to start from the live memory.
+    :ivar tier: The tier ``entry`` came from (``None`` for the live memory).
+    :ivar checkpoint: The partial checkpoint to restore (the entry's or the slot's), or ``None``.
+    :ivar restore_state: Restore ``entry``'s full state first (not when a checkpoint holds the whole state).
+    :ivar park_live: Put the live state into the cache first: the plan discards enough of it to be worth keeping.
+    :ivar live: What the live memory alone offered (for the forced-reprocess and miss counters).
+    """
+
+    n_keep: int
+    entry: C | None
+    tier: str | None
+    checkpoint: Checkpoint | None
+    restore_state: bool
+    park_live: bool
+    live: Reuse
+
+    @property
+    def needs_restore(self) -> bool:
+        """Whether anything is restored (otherwise the memory is only truncated, or left as it is)."""
+        return self.entry is not None or self.checkpoint is not None
+
+
+def plan_prompt(
+    kind: MemoryKind,
+    prompt: np.ndarray,
+    live: LiveMemory,
+    hits: Iterable[Hit[C]],
+    min_discard: int,
+    min_tokens: int,
+) -> Plan[C]:
+    """Choose how to serve ``prompt``: from the live memory (truncated, or through one of its checkpoints) or from
+    the stored candidate that keeps the most tokens.
+
+    Pure but for the ``fetch`` of the hits, which is called only for a hit that could beat the best so far (its
+    ``n_common``, capped at the limit, exceeds the tokens kept), in the order given. Ties go to the live memory,
+    then to the earlier hit. At least one prompt token is always left to evaluate, so that fresh logits exist.
+
+    :param kind: The memory kind.
+    :param prompt: The prompt's tokens.
+    :param live: The slot.
+    :param hits: Candidates from the store, best tiers first.
+    :param min_discard: Park the live state when the plan discards at least this many of its tokens ...
+    :param min_tokens: ... and it holds at least this many.
+    """
+    limit = max(len(prompt) - 1, 0)
+    live_reuse = best_reuse(kind, live.lineage, live.n_tokens, live.pos_min, live.checkpoints, prompt, limit)
+    best, entry, tier = live_reuse, None, None
+    for hit in hits:
+        if min(hit.n_common, limit) <= best.n_keep:
+            continue
+        candidate = hit.fetch()
+        if candidate is None:
+            continue
+        reuse = best_reuse(kind, candidate.tokens, candidate.n_tokens, candidate.pos_min, candidate.checkpoints,
+                           prompt, limit)
+        if reuse.n_keep > best.n_keep:
+            best, entry, tier = reuse, candidate, hit.tier
+    kept_live = best.n_keep if entry is None else 0
+    park = live.n_tokens - kept_live >= min_discard and live.n_tokens >= min_tokens
+    restore_state = entry is not None and not (kind.partial_is_complete and best.checkpoint is not None)
+    return Plan(best.n_keep, entry, tier, best.checkpoint, restore_state, park, live_reuse)
 
 
 def want_checkpoint(

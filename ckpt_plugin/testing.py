@@ -6,7 +6,7 @@ Registered as a ``pytest11`` entry point, so any project that installs ckpt_plug
   kind (``llama``, ``gemma3`` with a 32-token window, ``mamba``, ``hybrid``);
 - ``fake_manager``: ``fake_manager(kind="swa", **settings) -> CheckpointManager`` over a :class:`FakeBackend`, for
   testing plugins without a model;
-- ``recording_plugin``: a :class:`RecordingPlugin` that records every hook call.
+- ``hook_recorder``: a :class:`HookRecorder` that records every hook call of the managers it watches.
 
 :class:`FakeBackend` simulates the truncation rules of each memory kind on token lists and records a violation
 (``corrupted``) instead of silently computing garbage the way a real sliding window would, so policy bugs show.
@@ -21,8 +21,6 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
-from . import hooks
-from .hooks import hookimpl
 from .manager import CheckpointManager
 from .policy import MemoryKind
 
@@ -112,39 +110,27 @@ class FakeBackend:
 
 
 @dataclass
-class RecordingPlugin:
-    """A plugin that records ``(hook name, kwargs)`` for every hook it implements (all of them)."""
+class HookRecorder:
+    """Records ``(hook name, kwargs)`` of every hook call of the managers it watches, decisions included.
+
+    Built on pluggy's ``add_hookcall_monitoring``: one record per call (not per implementation), in call order.
+    """
 
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
+    def watch(self, manager: CheckpointManager) -> None:
+        """Record the hook calls of ``manager`` from now on."""
+        manager.plugins.add_hookcall_monitoring(self._before, self._after)
+
     def names(self) -> list[str]:
+        """The hook names called, in order."""
         return [name for name, _ in self.calls]
 
-    def _record(self, name: str, **kwargs: Any) -> None:
-        self.calls.append((name, kwargs))
+    def _before(self, hook_name: str, hook_impls: Any, kwargs: dict[str, Any]) -> None:
+        self.calls.append((hook_name, dict(kwargs)))
 
-
-def _recorder(name: str) -> Callable[..., None]:
-    spec = getattr(hooks, name)
-    params = list(spec.__code__.co_varnames[: spec.__code__.co_argcount])
-    namespace: dict[str, Any] = {}
-    # pluggy matches implementations by argument names, so each recorder takes the spec's exact arguments.
-    source = (
-        f"def {name}(self, {', '.join(params)}):\n"
-        f"    self._record({name!r}, {', '.join(f'{p}={p}' for p in params)})\n"
-    )
-    exec(source, namespace)  # noqa: S102 - generated from our own hook specs
-    return hookimpl(namespace[name])
-
-
-HOOK_NAMES = [
-    name for name in dir(hooks)
-    if name.startswith(("on_", "checkpoint_wanted", "select_cache_victims")) and callable(getattr(hooks, name))
-]
-for _name in HOOK_NAMES:
-    if _name in ("checkpoint_wanted", "select_cache_victims", "on_cache_alloc"):
-        continue  # firstresult hooks: a recorder returning None would be harmless, but keep decisions untouched
-    setattr(RecordingPlugin, _name, _recorder(_name))
+    def _after(self, outcome: Any, hook_name: str, hook_impls: Any, kwargs: dict[str, Any]) -> None:
+        pass
 
 
 def fake_manager(kind: str = "swa", *, n_ctx: int = 4096, window_cells: int | None = None,
@@ -233,6 +219,6 @@ def fake_manager_fixture() -> Callable[..., CheckpointManager]:
 
 
 @pytest.fixture
-def recording_plugin() -> Iterator[RecordingPlugin]:
-    """A fresh :class:`RecordingPlugin`."""
-    yield RecordingPlugin()
+def hook_recorder() -> Iterator[HookRecorder]:
+    """A fresh :class:`HookRecorder` (``hook_recorder.watch(manager)`` starts it)."""
+    yield HookRecorder()

@@ -45,8 +45,12 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Literal, get_args
 
-import gguf
 import numpy as np
+
+try:  # test support: ``gguf`` comes with the ``test`` extra, and importing this module must not need it
+    import gguf
+except ImportError:  # pragma: no cover - exercised only without the extra
+    gguf = None
 
 __all__ = [
     "ARCHITECTURES",
@@ -401,6 +405,8 @@ def build_tiny_model(
     Returns:
         The path of the written file.
     """
+    if gguf is None:
+        raise ModuleNotFoundError("tiny models are written with the gguf package: pip install 'ckpt_plugin[test]'")
     if kind not in _BUILDERS:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {MODEL_KINDS}")
     n_layer = DEFAULT_N_LAYER[kind] if n_layer is None else n_layer

@@ -10,7 +10,7 @@ import pytest
 
 import ckpt_plugin
 from ckpt_plugin import PluginError, hookimpl
-from ckpt_plugin.testing import RecordingPlugin, fake_manager, run_prompt
+from ckpt_plugin.testing import HookRecorder, fake_manager, run_prompt
 
 
 def write_entrypoint_plugin(root: Any) -> None:
@@ -157,12 +157,15 @@ def test_policy_can_be_replaced_by_a_plugin() -> None:
     assert manager.slot.checkpoints == []
 
 
-def test_recording_plugin_from_the_testing_kit(recording_plugin: RecordingPlugin) -> None:
+def test_hook_recorder_from_the_testing_kit(hook_recorder: HookRecorder) -> None:
     manager = fake_manager("hybrid", checkpoint_min_step=8)
-    manager.plugins.register(recording_plugin)
+    hook_recorder.watch(manager)
     run_prompt(manager, list(range(40)), 3)
     run_prompt(manager, list(range(20)) + [99], 3)
-    names = recording_plugin.names()
+    names = hook_recorder.names()
     assert names[0] == "on_prompt_processed" and "on_checkpoint_created" in names
+    assert "checkpoint_wanted" in names  # decisions are recorded too
+    created = [kwargs for name, kwargs in hook_recorder.calls if name == "on_checkpoint_created"]
+    assert created[0]["checkpoint"].n_tokens > 0 and created[0]["manager"] is manager
     assert "on_slot_restore" in names
     assert not manager.backend.corrupted

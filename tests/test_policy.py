@@ -1,13 +1,25 @@
-"""Pure checkpoint policy, without a model."""
+"""Pure checkpoint policy and the planner, without a model."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ckpt_plugin.checkpoint import Checkpoint, freeze
-from ckpt_plugin.policy import SLOT_BUDGET_SHARE, checkpoints_to_erase, slot_checkpoint_limit
+from ckpt_plugin.policy import (
+    SLOT_BUDGET_SHARE,
+    Hit,
+    LiveMemory,
+    MemoryKind,
+    best_reuse,
+    checkpoints_to_erase,
+    common_prefix,
+    plan_prompt,
+    slot_checkpoint_limit,
+)
 
 
 def checkpoint(n_tokens: int) -> Checkpoint:
@@ -34,3 +46,88 @@ def test_erasing_keeps_the_newest_and_at_most_limit(positions: list[int], limit:
     assert len(kept) == min(len(checkpoints), limit)
     if limit:
         assert kept[-1] is checkpoints[-1]
+
+
+# --- the planner -----------------------------------------------------------------------------------------------------
+
+KINDS = [MemoryKind(), MemoryKind(n_swa=4), MemoryKind(recurrent=True, attention=False),
+         MemoryKind(n_swa=4, recurrent=True)]
+
+
+@dataclass(eq=False)
+class Stored:
+    tokens: np.ndarray
+    pos_min: int
+    checkpoints: tuple[Checkpoint, ...] = field(default=())
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def partial(kind: MemoryKind, n_tokens: int) -> Checkpoint:
+    pos_min = max(0, n_tokens - kind.n_swa) if kind.swa else n_tokens - 1
+    return Checkpoint(n_tokens, pos_min, n_tokens - 1, True, freeze(np.zeros(1, dtype=np.uint8)), "fp")
+
+
+tokens = st.lists(st.integers(0, 2), min_size=0, max_size=14)
+
+
+@st.composite
+def stored(draw: st.DrawFn, kind: MemoryKind) -> Stored:
+    toks = np.asarray(draw(tokens), dtype=np.int32)
+    positions = sorted(set(draw(st.lists(st.integers(1, max(1, len(toks))), max_size=3)))) if len(toks) else []
+    pos_min = draw(st.integers(0, max(0, len(toks) - 1))) if kind.swa else 0
+    return Stored(toks, pos_min, tuple(partial(kind, n) for n in positions if n <= len(toks)))
+
+
+@given(st.data())
+def test_plan_is_the_best_of_live_memory_and_candidates_and_fetches_only_what_can_win(data: st.DataObject) -> None:
+    kind = data.draw(st.sampled_from(KINDS))
+    prompt = np.asarray(data.draw(tokens), dtype=np.int32)
+    live_stored = data.draw(stored(kind))
+    n_memory = data.draw(st.integers(0, live_stored.n_tokens))
+    live = LiveMemory(live_stored.tokens, n_memory, live_stored.pos_min, live_stored.checkpoints)
+    candidates = data.draw(st.lists(stored(kind), max_size=5))
+    tiers = data.draw(st.lists(st.sampled_from(["ram", "disk"]), min_size=len(candidates), max_size=len(candidates)))
+    fetched: list[int] = []
+
+    def fetcher(i: int):  # type: ignore[no-untyped-def]
+        def fetch() -> Stored | None:
+            fetched.append(i)
+            return candidates[i]
+        return fetch
+
+    limit = max(len(prompt) - 1, 0)
+    bounds = [int(common_prefix(c.tokens, prompt)) for c in candidates]
+    hits = [Hit(tiers[i], bounds[i], fetcher(i)) for i in range(len(candidates))]
+    plan = plan_prompt(kind, prompt, live, hits, min_discard=3, min_tokens=2)
+
+    def reuse(c: Stored, n: int):  # type: ignore[no-untyped-def]
+        return best_reuse(kind, c.tokens, n, c.pos_min, c.checkpoints, prompt, limit)
+
+    live_best = reuse(live_stored, n_memory).n_keep
+    best = max([live_best, *(reuse(c, c.n_tokens).n_keep for c in candidates)])
+    assert plan.n_keep == best <= limit
+    assert plan.live.n_keep == live_best
+    if plan.entry is None:
+        assert plan.n_keep == live_best and plan.tier is None
+    else:
+        i = candidates.index(plan.entry)
+        assert plan.tier == tiers[i] and plan.n_keep > live_best  # ties go to the live memory
+        assert reuse(plan.entry, plan.entry.n_tokens).n_keep == best
+        assert plan.restore_state == (not (kind.partial_is_complete and plan.checkpoint is not None))
+    # a hit is fetched only if its bound could beat what was kept when it came up
+    for i in fetched:
+        assert min(bounds[i], limit) > live_best
+    kept_live = plan.n_keep if plan.entry is None else 0
+    assert plan.park_live == (n_memory - kept_live >= 3 and n_memory >= 2)
+
+
+def test_a_candidate_that_is_gone_is_skipped() -> None:
+    kind = MemoryKind()
+    prompt = np.asarray([1, 2, 3, 4, 5], dtype=np.int32)
+    live = LiveMemory(np.zeros(0, dtype=np.int32), 0, 0, ())
+    kept = Stored(np.asarray([1, 2, 3], dtype=np.int32), 0)
+    plan = plan_prompt(kind, prompt, live, [Hit("disk", 4, lambda: None), Hit("ram", 3, lambda: kept)], 16, 32)
+    assert plan.entry is kept and plan.tier == "ram" and plan.n_keep == 3

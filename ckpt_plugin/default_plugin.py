@@ -1,0 +1,48 @@
+"""The manager's own behaviour as a plugin: checkpoint placement, admission and LRU victims, called last."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from .hooks import hookimpl
+from .policy import want_checkpoint
+
+if TYPE_CHECKING:
+    from .cache import CacheEntry
+    from .manager import CheckpointManager
+    from .slot import Slot
+
+DEFAULT_PLUGIN_NAME = "ckpt_plugin.default"
+
+
+class DefaultPlugin:
+    """The manager's own behaviour, registered as ``ckpt_plugin.default`` and called last."""
+
+    @hookimpl(trylast=True)
+    def checkpoint_wanted(self, manager: CheckpointManager, slot: Slot, position: int, prompt_end: int) -> bool:
+        return want_checkpoint(
+            manager.kind, manager.rules, slot.checkpoints, position, prompt_end, manager.backend.pos_min()
+        )
+
+    @hookimpl(trylast=True)
+    def on_prompt_processed(
+        self, manager: CheckpointManager, slot: Slot, start: int, end: int, prompt_end: int
+    ) -> None:
+        if manager.hooks.checkpoint_wanted(slot, position=end, prompt_end=prompt_end):
+            manager.checkpoint()
+
+    @hookimpl(trylast=True)
+    def on_cache_alloc(self, manager: CheckpointManager, namespace: str, n_tokens: int, n_bytes: int) -> bool:
+        return True
+
+    @hookimpl(trylast=True)
+    def select_cache_victims(
+        self, manager: CheckpointManager, entries: Sequence[CacheEntry], n_bytes: int
+    ) -> list[CacheEntry]:
+        victims, freed = [], 0
+        for entry in entries:
+            if freed >= n_bytes:
+                break
+            victims.append(entry)
+            freed += entry.nbytes
+        return victims

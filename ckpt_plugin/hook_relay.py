@@ -1,0 +1,104 @@
+"""Typed calls of the project's hooks for one manager, through pluggy's relay (``plugins.hook.<name>``).
+
+Each method has the hook's signature less ``manager`` (bound here), returns what the spec says, and turns an
+implementation's exception into a :class:`~ckpt_plugin.errors.PluginError` naming the plugin that raised it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import pluggy
+
+from .errors import PluginError
+
+if TYPE_CHECKING:
+    from .cache import CacheEntry
+    from .checkpoint import Checkpoint, ExtraState
+    from .manager import CheckpointManager, Slot
+
+
+class HookRelay:
+    """The hooks of ``manager``'s plugin manager, called with ``manager`` bound."""
+
+    def __init__(self, plugins: pluggy.PluginManager, manager: CheckpointManager) -> None:
+        self._hook = plugins.hook
+        self._manager = manager
+
+    def call(self, caller: pluggy.HookCaller, **kwargs: Any) -> Any:
+        """Call ``caller`` (any hook, a plugin's own included) with ``manager`` bound; wraps plugin errors."""
+        try:
+            return caller(manager=self._manager, **kwargs)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(culprit(caller, exc), caller.name, exc) from exc
+
+    # life cycle
+
+    def on_attach(self) -> None:
+        self.call(self._hook.on_attach)
+
+    def on_detach(self) -> None:
+        self.call(self._hook.on_detach)
+
+    # checkpoints
+
+    def on_prompt_processed(self, slot: Slot, start: int, end: int, prompt_end: int) -> None:
+        self.call(self._hook.on_prompt_processed, slot=slot, start=start, end=end, prompt_end=prompt_end)
+
+    def checkpoint_wanted(self, slot: Slot, position: int, prompt_end: int) -> bool:
+        return bool(self.call(self._hook.checkpoint_wanted, slot=slot, position=position, prompt_end=prompt_end))
+
+    def on_checkpoint_capture(self, slot: Slot, n_tokens: int, partial: bool) -> list[ExtraState]:
+        results = self.call(self._hook.on_checkpoint_capture, slot=slot, n_tokens=n_tokens, partial=partial)
+        return [extra for extra in results if extra is not None]
+
+    def on_checkpoint_created(self, slot: Slot, checkpoint: Checkpoint) -> None:
+        self.call(self._hook.on_checkpoint_created, slot=slot, checkpoint=checkpoint)
+
+    def on_checkpoint_erased(self, slot: Slot, checkpoint: Checkpoint, reason: str) -> None:
+        self.call(self._hook.on_checkpoint_erased, slot=slot, checkpoint=checkpoint, reason=reason)
+
+    def on_capture_failed(self, slot: Slot, expected: int, written: int) -> None:
+        self.call(self._hook.on_capture_failed, slot=slot, expected=expected, written=written)
+
+    # restores
+
+    def on_slot_restore(self, slot: Slot, checkpoint: Checkpoint | None, entry: CacheEntry | None,
+                        n_tokens: int) -> None:
+        self.call(self._hook.on_slot_restore, slot=slot, checkpoint=checkpoint, entry=entry, n_tokens=n_tokens)
+
+    def on_full_reprocess(self, slot: Slot, n_common: int, reason: str) -> None:
+        self.call(self._hook.on_full_reprocess, slot=slot, n_common=n_common, reason=reason)
+
+    # prompt cache
+
+    def on_cache_alloc(self, namespace: str, n_tokens: int, n_bytes: int) -> bool:
+        """Whether the entry may enter (a ``None`` from every plugin admits it)."""
+        return self.call(self._hook.on_cache_alloc, namespace=namespace, n_tokens=n_tokens, n_bytes=n_bytes) is not False
+
+    def select_cache_victims(self, entries: Sequence[CacheEntry], n_bytes: int) -> Sequence[CacheEntry]:
+        return self.call(self._hook.select_cache_victims, entries=entries, n_bytes=n_bytes) or []
+
+    def on_cache_evict(self, entry: CacheEntry, reason: str) -> None:
+        self.call(self._hook.on_cache_evict, entry=entry, reason=reason)
+
+    def on_cache_hit(self, slot: Slot, entry: CacheEntry, n_tokens: int) -> None:
+        self.call(self._hook.on_cache_hit, slot=slot, entry=entry, n_tokens=n_tokens)
+
+
+def culprit(caller: pluggy.HookCaller, exc: BaseException) -> str:
+    """The name of the plugin whose implementation raised ``exc`` (the first of their frames in the traceback)."""
+    owners = {}
+    for impl in caller.get_hookimpls():
+        code = getattr(impl.function, "__code__", None)
+        if code is not None:
+            owners[code] = impl.plugin_name
+    tb = exc.__traceback__
+    while tb is not None:
+        name = owners.get(tb.tb_frame.f_code)
+        if name is not None:
+            return name
+        tb = tb.tb_next
+    return "<unknown>"

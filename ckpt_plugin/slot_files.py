@@ -1,0 +1,77 @@
+"""Slot files: the live slot written to and read from a file (llama.cpp server's ``/slots/{id}?action=save``).
+
+The file holds the tokens, the full state, the checkpoints and the draft and speculative state in the project's
+format (:mod:`ckpt_plugin.persist`), with the saving caller's namespace. Each operation holds the manager's lock for
+its whole length: no request can use the slot meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from .errors import EmptySlotError, ForeignNamespaceError, IncompatibleStateError, StateRestoreError
+from .persist import read_entry, write_entry
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+
+def save_slot(manager: CheckpointManager, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:
+    """Write the slot (tokens, full state, checkpoints, draft and speculative state) to ``path`` atomically.
+
+    :param namespace: The caller's namespace (the manager's own by default); the file records it.
+    :raises EmptySlotError: The slot holds nothing of ``namespace`` (another tenant's state is never saved).
+    :return: ``{"n_saved": tokens, "n_written": bytes, "save_ms": ...}``.
+    """
+    started = time.perf_counter()
+    namespace = namespace or manager.settings.namespace
+    with manager.lock:
+        manager.reconcile()
+        if manager.slot.namespace != namespace or manager.slot.n_tokens == 0:
+            raise EmptySlotError("the slot holds no state of this caller to save")
+        entry = manager.save()
+        written = write_entry(path, entry, model_fingerprint=manager.fingerprint)
+    return {"n_saved": entry.n_tokens, "n_written": written, "save_ms": (time.perf_counter() - started) * 1e3}
+
+
+def restore_slot(manager: CheckpointManager, path: str | os.PathLike[str],
+                 namespace: str | None = None) -> dict[str, Any]:
+    """Restore the slot from a slot file; a file that is corrupt, made for another model or context, or saved by
+    another namespace is refused and the slot stays exactly as it was.
+
+    :param namespace: The caller's namespace (the manager's own by default); it must be the file's.
+    :return: ``{"n_restored": tokens, "n_read": bytes, "restore_ms": ...}``.
+    """
+    started = time.perf_counter()
+    namespace = namespace or manager.settings.namespace
+    entry = read_entry(path, expected_fingerprint=manager.fingerprint)
+    if entry.namespace != namespace:
+        raise ForeignNamespaceError("the slot file was saved by another namespace")
+    with manager.lock:
+        manager.reconcile()
+        # Another tenant's live state is parked in its own partition, never handed over.
+        manager.enter_namespace(namespace)
+        previous = manager.save() if manager.slot.n_tokens else None
+        try:
+            manager.load(entry)
+        except (IncompatibleStateError, StateRestoreError):
+            if previous is not None:
+                manager.load(previous)
+            raise
+    n_read = sum(int(b.nbytes) for b in {id(b): b for b in entry.buffers()}.values())
+    return {"n_restored": entry.n_tokens, "n_read": n_read, "restore_ms": (time.perf_counter() - started) * 1e3}
+
+
+def erase_slot(manager: CheckpointManager, namespace: str | None = None) -> dict[str, Any]:
+    """Empty the slot (memory and checkpoints) if it holds ``namespace``'s state; the prompt cache keeps its entries.
+    Another namespace's live state is left alone (``n_erased`` 0)."""
+    namespace = namespace or manager.settings.namespace
+    with manager.lock:
+        if manager.slot.namespace != namespace:
+            return {"n_erased": 0}
+        manager.reconcile()
+        n_erased = manager.slot.n_tokens
+        manager.clear_slot()
+    return {"n_erased": n_erased}

@@ -1,0 +1,102 @@
+"""A manager's counters and the read-only views of its state: ``stats()`` and ``describe()``.
+
+Both are safe to call from any thread while the model runs: they read snapshots (lists copied) of the slot and the
+cache, never the context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cache import CacheEntry
+    from .checkpoint import Checkpoint
+    from .manager import CheckpointManager
+
+
+@dataclass
+class Counters:
+    """Monotonic counters of a manager (see :func:`manager_stats`)."""
+
+    prompts: int = 0
+    tokens_evaluated: int = 0
+    tokens_reused: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_saves: int = 0
+    cache_evictions: int = 0
+    checkpoints_created: int = 0
+    checkpoints_restored: int = 0
+    checkpoints_erased: int = 0
+    forced_reprocess: int = 0
+    tokens_reprocessed: int = 0
+    capture_failures: int = 0
+    bytes_captured: int = 0
+    bytes_restored: int = 0
+    restore_seconds: float = 0.0
+    disk_hits: int = 0
+    restore_failures: int = 0
+    draft_dropped: int = 0
+
+
+def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
+    """Counters plus memory figures.
+
+    ``resident_bytes`` counts each state buffer held by the slot or the cache once; ``referenced_bytes`` counts it
+    once per holder (what a copying cache would hold): their ratio is 1.0 when nothing is duplicated.
+    ``state_bytes`` is what the budget (``state_budget_bytes``) bounds: entries, slot pins and recycled mappings.
+    """
+    cache = manager.cache
+    checkpoints = list(manager.slot.checkpoints)
+    entries = cache.entries()
+    unique: dict[int, int] = {}
+    referenced = 0
+    holders: list[Checkpoint | CacheEntry] = [*checkpoints, *entries]
+    for holder in holders:
+        for buffer in holder.buffers():
+            unique[id(buffer)] = int(buffer.nbytes)
+            referenced += int(buffer.nbytes)
+    slot_only = cache.pinned_only_bytes()
+    out: dict[str, Any] = asdict(manager.counters)
+    out.update(
+        bytes_copied=manager.counters.bytes_captured + manager.counters.bytes_restored,
+        resident_bytes=sum(unique.values()),
+        referenced_bytes=referenced,
+        slot_only_bytes=slot_only,
+        pool_free_bytes=cache.pool.free_bytes,
+        state_bytes=cache.state_bytes,
+        state_budget_bytes=cache.max_bytes,
+        cache_entries=len(entries),
+        cache_bytes=cache.resident_bytes - slot_only,
+        cache_tokens=cache.n_tokens,
+        slot_tokens=manager.slot.n_tokens,
+        lineage_tokens=manager.slot.n_lineage,
+        slot_checkpoints=len(checkpoints),
+        memory_kind=manager.kind.name,
+        disk_entries=len(manager.disk) if manager.disk is not None else 0,
+        disk_bytes=manager.disk.resident_bytes if manager.disk is not None else 0,
+    )
+    return out
+
+
+def describe(manager: CheckpointManager, namespace: str | None = None) -> dict[str, Any]:
+    """A JSON-able view of the slot, its checkpoints and the cache entries; of ``namespace`` only, if given (the slot
+    is shown only while it holds that namespace's state)."""
+
+    def checkpoint_view(c: Checkpoint) -> dict[str, Any]:
+        return {"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max, "partial": c.partial,
+                "bytes": c.nbytes}
+
+    slot = manager.slot
+    slots = []
+    if namespace is None or slot.namespace == namespace:
+        slots.append({"id": slot.id, "n_tokens": slot.n_tokens, "namespace": slot.namespace,
+                      "checkpoints": [checkpoint_view(c) for c in list(slot.checkpoints)]})
+    return {
+        "fingerprint": manager.fingerprint,
+        "memory_kind": manager.kind.name,
+        "slots": slots,
+        "cache": [{"namespace": e.namespace, "n_tokens": e.n_tokens, "bytes": e.nbytes, "hits": e.hits,
+                   "checkpoints": len(e.checkpoints)} for e in manager.cache.entries(namespace)],
+    }

@@ -1,0 +1,113 @@
+"""The prompt cache's tiers behind one interface: RAM in front of disk (and of a shared tier, when there is one).
+
+The store is where entries are found, admitted, promoted and evicted, and where their bytes are counted; the
+manager decides what to ask for (see :func:`ckpt_plugin.policy.plan_prompt`) and the store's events tell it what
+happened. Several managers may share the tiers (one host cache object, several Llamas); each has its own store
+object over them, with its own events.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from .cache import CacheEntry, PromptCache
+from .checkpoint import StateBuffer
+from .disk_tier import DiskRecord, DiskTier
+from .policy import Hit
+
+
+class StoreEvents(Protocol):
+    """What the store asks of, and tells, the manager that owns it (the hooks and counters live there)."""
+
+    def allow_admission(self, entry: CacheEntry, n_bytes: int) -> bool:
+        """Whether ``entry`` may enter RAM, adding ``n_bytes`` to its entries (``on_cache_alloc``)."""
+
+    def select_victims(self, entries: Sequence[CacheEntry], n_bytes: int) -> Sequence[CacheEntry]:
+        """Victims among LRU-ordered ``entries`` for a shortfall of ``n_bytes`` (``select_cache_victims``)."""
+
+    def evicted(self, entry: CacheEntry, reason: str) -> None:
+        """``entry`` left RAM: ``"budget"``, ``"replaced"`` or ``"cleared"`` (``on_cache_evict``)."""
+
+    def admitted(self, entry: CacheEntry) -> None:
+        """``entry`` entered RAM."""
+
+
+class TieredStore:
+    """RAM (a :class:`~ckpt_plugin.cache.PromptCache`) and an optional :class:`~ckpt_plugin.disk_tier.DiskTier`.
+
+    :param ram: The RAM tier, which holds the byte budget of every state byte (see ``PromptCache.pin``).
+    :param disk: The disk tier, written through on admission and read back by mapping files.
+    :param events: The owner's admission, victim selection and eviction callbacks.
+    """
+
+    def __init__(self, ram: PromptCache, disk: DiskTier | None, events: StoreEvents) -> None:
+        self.ram = ram
+        self.disk = disk
+        self.events = events
+
+    def lookup(self, namespace: str, fingerprint: str, prompt: np.ndarray) -> list[Hit[CacheEntry]]:
+        """Candidates for ``prompt`` in every tier, RAM first; nothing is fetched (mapped) until a hit's ``fetch``."""
+        ram = self.ram.lookup(namespace, fingerprint, prompt)
+        hits = [Hit("ram", n_common, _fixed(entry)) for entry, n_common in ram]
+        if self.disk is not None:
+            disk = self.disk
+            hits += [Hit("disk", n_common, _mapper(disk, record))
+                     for record, n_common in disk.lookup(namespace, fingerprint, prompt)]
+        return hits
+
+    def admit(self, entry: CacheEntry, write_through: bool = True) -> bool:
+        """Offer ``entry`` to RAM (through the owner's admission and victim selection; evictions are reported), and
+        write it through to the disk tier; return whether a tier holds it."""
+        admitted, removed = self.ram.insert(
+            entry, admit=lambda n_bytes: self.events.allow_admission(entry, n_bytes),
+            select_victims=self.events.select_victims,
+        )
+        self._report(removed)
+        if admitted:
+            self.events.admitted(entry)
+        if self.disk is not None and write_through:
+            admitted = self.disk.store(entry) or admitted
+        return admitted
+
+    def promote(self, entry: CacheEntry) -> bool:
+        """Bring an entry fetched from a lower tier into RAM, through the same admission as any entry (its mapped
+        pages are its buffers: nothing is copied)."""
+        return self.admit(entry, write_through=False)
+
+    def touch(self, entry: CacheEntry) -> None:
+        """Mark ``entry`` as just used."""
+        self.ram.touch(entry)
+
+    def contains(self, entry: CacheEntry) -> bool:
+        """Whether RAM holds ``entry`` (this very object)."""
+        return self.ram.contains(entry)
+
+    def pin(self, holder: object, buffers: Sequence[StateBuffer]) -> None:
+        """Count ``holder``'s buffers against the budget (see ``PromptCache.pin``); evictions are reported."""
+        self._report(self.ram.pin(holder, buffers, self.events.select_victims))
+
+    def resize(self, max_bytes: int) -> None:
+        """Change the RAM budget, evicting through the owner's victim selection."""
+        for entry in self.ram.resize(max_bytes, self.events.select_victims):
+            self.events.evicted(entry, "budget")
+
+    def clear(self, namespace: str | None = None) -> int:
+        """Drop every RAM entry (of ``namespace`` only, if given); return how many there were."""
+        entries = self.ram.clear(namespace)
+        for entry in entries:
+            self.events.evicted(entry, "cleared")
+        return len(entries)
+
+    def _report(self, removed: list[tuple[CacheEntry, str]]) -> None:
+        for entry, reason in removed:
+            self.events.evicted(entry, reason)
+
+
+def _fixed(entry: CacheEntry) -> Callable[[], CacheEntry]:
+    return lambda: entry
+
+
+def _mapper(disk: DiskTier, record: DiskRecord) -> Callable[[], CacheEntry | None]:
+    return lambda: disk.load(record)
