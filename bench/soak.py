@@ -279,7 +279,11 @@ def main() -> None:
     parser.add_argument("--no-plain", action="store_true", help="skip the llama_cpp.server run side by side")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--plot", type=pathlib.Path, default=None)
+    parser.add_argument("--replot", type=pathlib.Path, default=None, help="only draw --plot from this --out file")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.plot)
+        return
     if args.model is None:
         from ckpt_plugin.default_model import default_model_path
 
@@ -310,29 +314,39 @@ def main() -> None:
                   "llama_cpp_server": {"rss_series": plain["rss_series"]} if plain else None}
         args.out.write_text(json.dumps({**summary, "series": series}, indent=1))
     if args.plot:
-        import matplotlib
+        plot({**summary, "series": {"ckpt_serve": plugin, "llama_cpp_server": plain}}, args.plot)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 4))
-        mib = 2**20
-        for label, run in (("ckpt-serve", plugin), ("llama_cpp.server alone", plain)):
-            if run is None:
-                continue
-            seconds = [t for t, _, _ in run["rss_series"]]
-            ax.plot(seconds, [(r - run["rss_series"][0][1]) / mib for _, r, _ in run["rss_series"]],
-                    label=f"{label}: RSS growth")
-            ax.plot(seconds, [g / mib for g in run["growth_series"]], label=f"{label}: growth beyond host arrays")
-        ax.plot([t for t, _ in plugin["state_series"]], [b / mib for _, b in plugin["state_series"]],
-                label="plugin state bytes (its stats)")
-        ax.axhline(budget / mib, color="red", linestyle="--", label="checkpoint budget")
-        ax.axhline(1.1 * budget / mib, color="red", linestyle=":", label="budget + 10%")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("MiB")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.plot)
+def plot(result: dict[str, Any], path: pathlib.Path) -> None:
+    """Draw RSS growth, growth beyond the host arrays and the plugin's state bytes of both runs against the budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budget = result["budget_bytes"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    mib = 2**20
+    series = result["series"]
+    for label, key in (("ckpt-serve", "ckpt_serve"), ("llama_cpp.server alone", "llama_cpp_server")):
+        run = series.get(key)
+        if not run:
+            continue
+        samples = run["rss_series"]
+        rss0, host0 = samples[0][1], samples[0][2]
+        seconds = [t for t, _, _ in samples]
+        ax.plot(seconds, [(r - rss0) / mib for _, r, _ in samples], label=f"{label}: RSS growth")
+        ax.plot(seconds, [((r - rss0) - (h - host0)) / mib for _, r, h in samples],
+                label=f"{label}: growth beyond host arrays")
+    state = series["ckpt_serve"]["state_series"]
+    ax.plot([t for t, _ in state], [b / mib for _, b in state], label="plugin state bytes (its stats)")
+    ax.axhline(budget / mib, color="red", linestyle="--", label="checkpoint budget")
+    ax.axhline(1.1 * budget / mib, color="red", linestyle=":", label="budget + 10%")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def _parse(size: str) -> int:

@@ -60,3 +60,18 @@ def proxy_model_alias(proxy: Any, model: str | None) -> str:
 def proxy_current_alias(proxy: Any) -> str | None:
     """The alias of the model the proxy holds now (``None`` before the first request)."""
     return proxy._current_model_alias
+
+
+def decode_handles(llama: Any) -> tuple[Any, Any]:
+    """``(llama._ctx, llama._batch)``: the context wrapper and the batch that ``Llama.eval`` decodes with."""
+    return llama._ctx, llama._batch
+
+
+def wants_all_logits(llama: Any) -> bool:
+    """``Llama._logits_all``: whether the host asked for every token's logits (forced on with a draft model)."""
+    return bool(llama._logits_all)
+
+
+COMPLETION_METHOD = "_create_completion"
+"""The ``Llama`` method every completion goes through (``create_completion``, ``__call__`` and the chat handlers),
+with its ``logprobs`` and ``echo`` arguments: patched on the instance to learn which logits a request reads."""

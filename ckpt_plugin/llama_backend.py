@@ -9,7 +9,9 @@
 - ``eval``: evaluates through the manager, which pauses where checkpoints are taken;
 - ``save_state`` / ``load_state``: return and accept a :class:`SharedLlamaState` that references an immutable
   full-state capture and the slot's checkpoints instead of copying the state and the logits array;
-- ``set_cache``: installs :class:`HostPromptCache`, a ``BaseLlamaCache`` view of the manager's prefix-indexed cache.
+- ``set_cache``: installs :class:`HostPromptCache`, a ``BaseLlamaCache`` view of the manager's prefix-indexed cache;
+- ``_create_completion``: notes whether the request reads logprobs (and of the prompt, with ``echo``), so that
+  evaluation computes and keeps only the logits someone reads (:mod:`ckpt_plugin.logits`).
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ from .cache import CacheEntry, PromptCache
 from .config import CheckpointSettings
 from .disk_tier import DiskTier
 from .errors import UnsupportedHostError
+from .logits import EVERY_ROW, NO_ROWS, LogitsNeeds, generation_needs, max_keep
 from .manager import CheckpointManager
-from .policy import MemoryKind
+from .policy import MemoryKind, common_prefix
 
 TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
 """llama-cpp-python versions attach accepts: from the first (inclusive) to the second (exclusive)."""
 
-_PATCHED = ("eval", "generate", "save_state", "load_state", "set_cache")
+_PATCHED = ("eval", "generate", "save_state", "load_state", "set_cache", host.COMPLETION_METHOD)
 _MANAGER_ATTR = "_ckpt_plugin_attachment"
 _u8_p = ctypes.POINTER(ctypes.c_uint8)
 
@@ -132,7 +135,13 @@ def vocab_digest(llama: Llama) -> str:
 
 
 class LlamaBackend:
-    """Sequence 0 of a ``llama_cpp.Llama`` context, as the manager's :class:`~ckpt_plugin.manager.Backend`."""
+    """Sequence 0 of a ``llama_cpp.Llama`` context, as the manager's :class:`~ckpt_plugin.manager.Backend`.
+
+    Evaluation computes only the logits the current generation reads (``needs``, see :mod:`ckpt_plugin.logits`) and
+    keeps the host's ``scores`` array small unless a generation reads its rows: the ``n_ctx x n_vocab`` array a
+    ``logits_all=True`` host allocates (4.3 GB of address space for Gemma-3 at n_ctx 4096) is released on attach
+    and allocated again only for a request that reads prompt or completion logprobs.
+    """
 
     def __init__(self, llama: Llama) -> None:
         self.llama = llama
@@ -140,7 +149,15 @@ class LlamaBackend:
         self.fingerprint = fingerprint(llama)
         self.n_ctx = int(llama.n_ctx())
         self._memory = llama_cpp.llama_get_memory(llama.ctx)
-        self._eval = type(llama).eval.__get__(llama)
+        self._n_vocab = int(llama.n_vocab())
+        self.host_logits_all = host.wants_all_logits(llama)
+        # Outside a generation, a direct ``eval`` gets what the host asked for.
+        self.default_needs: LogitsNeeds = EVERY_ROW if self.host_logits_all else NO_ROWS
+        self.needs = self.default_needs
+        self._host_scores_shape = tuple(llama.scores.shape)
+        self._full = False
+        # The tokens whose logits rows [0, len) of the full array hold; a row depends only on the tokens before it.
+        self._row_tokens = np.zeros(0, dtype=np.int32)
 
     @property
     def _ctx(self) -> Any:
@@ -177,7 +194,102 @@ class LlamaBackend:
         llama_cpp.llama_memory_seq_rm(self._memory, 0, -1, -1)
 
     def decode(self, tokens: np.ndarray) -> None:
-        self._eval(tokens.tolist())
+        """``Llama.eval`` with per-token logits flags: llama.cpp computes the logits of each batch's last token and
+        of the positions ``needs`` names, not of every token."""
+        llama, needs = self.llama, self.needs
+        ctx, batch = host.decode_handles(llama)
+        ctx.kv_cache_seq_rm(-1, llama.n_tokens, -1)
+        n_batch = int(llama.n_batch)
+        for start in range(0, len(tokens), n_batch):
+            chunk = tokens[start : start + n_batch]
+            n_past, n = int(llama.n_tokens), len(chunk)
+            first = needs.first_output(n_past, n)
+            batch.set_batch(batch=chunk.tolist(), n_past=n_past, logits_all=False)
+            flags = batch.batch.logits
+            for j in range(first, n - 1):
+                flags[j] = True
+            ctx.decode(batch)
+            llama.input_ids[n_past : n_past + n] = chunk
+            self._keep_rows(needs, n_past, chunk, first)
+            llama.n_tokens += n
+
+    # -- the host's logits rows ------------------------------------------------------------------------------------
+
+    def _one_row(self) -> np.ndarray:
+        # Enough for ``scores[-1]`` (``Llama._scores[-1]``: what a stopping criterion reads).
+        return np.zeros((1, self._n_vocab), dtype=np.single)
+
+    def _full_scores(self) -> np.ndarray:
+        if not self._full:
+            # calloc'd: zero pages until written, so only the rows written become resident, and rows nobody wrote
+            # read as zeros (the host computes logprobs over every row, even those it then drops).
+            self.llama.scores = np.zeros((self.n_ctx, self._n_vocab), dtype=np.single)
+            self._full = True
+            self._row_tokens = self._row_tokens[:0]
+        return self.llama.scores
+
+    def exact_rows(self, prompt: np.ndarray) -> int:
+        """How many leading rows of ``scores`` hold the logits ``prompt``'s tokens would get."""
+        if not self._full:
+            return 0
+        return common_prefix(self._row_tokens, prompt)
+
+    def _keep_rows(self, needs: LogitsNeeds, n_past: int, chunk: np.ndarray, first: int) -> None:
+        n = len(chunk)
+        known = len(self._row_tokens)
+        if needs.rows_from is not None:
+            scores = self._full_scores()
+            kept_from = max(0, needs.rows_from - n_past)
+            if kept_from < n:
+                outputs = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(n - first, self._n_vocab))
+                scores[n_past + kept_from : n_past + n] = outputs[kept_from - first :]
+            if kept_from == 0 and known >= n_past:
+                self._row_tokens = np.concatenate((self._row_tokens[:n_past], chunk))
+                return
+        elif needs.latest_row:
+            # Where ``scores[:n_tokens][-1]`` lands, whatever the array's length.
+            scores = self.llama.scores
+            scores[min(n_past + n, len(scores)) - 1] = last_logits(self.llama)
+        if known > n_past:
+            self._row_tokens = self._row_tokens[:n_past]
+
+    def take_over_scores(self) -> None:
+        """Release the host's ``scores`` array (on attach): rows are kept only while a generation reads them."""
+        self.llama.scores = self._one_row()
+        self._full, self._row_tokens = False, self._row_tokens[:0]
+
+    def begin_generation(self, needs: LogitsNeeds, prompt: np.ndarray) -> int | None:
+        """Serve a generation that reads ``needs``; return the most prompt tokens a restore may keep for it."""
+        if not needs.full_rows and len(self.llama.scores) > 1:
+            # Nobody reads the rows now: give their memory back.
+            self.llama.scores = self._one_row()
+            self._full = False
+            self._row_tokens = self._row_tokens[:0]
+        self.needs = needs
+        return max_keep(needs, self.exact_rows(prompt))
+
+    def load_host_state(self, load: Callable[[LlamaState], None], state: LlamaState) -> None:
+        """Run the host's own ``load_state`` for a plain ``LlamaState``: it copies the state's logits rows into a
+        ``scores`` array of the host's own shape, which then holds the rows of the state's tokens."""
+        self.llama.scores = np.zeros(self._host_scores_shape, dtype=np.single)
+        self._full = self._host_scores_shape[0] >= self.n_ctx
+        load(state)
+        n_rows = min(int(state.n_tokens), len(state.scores)) if self._full and np.ndim(state.scores) == 2 else 0
+        self._row_tokens = np.asarray(state.input_ids[:n_rows], dtype=np.int32)
+
+    def end_generation(self) -> None:
+        """Back to what the host asked for, for direct ``eval`` calls (the rows stay for readers)."""
+        self.needs = self.default_needs
+
+    def release(self) -> None:
+        """Give the host its own ``scores`` array back (on detach)."""
+        llama = self.llama
+        if not (self._full and tuple(llama.scores.shape) == self._host_scores_shape):
+            llama.scores = np.ndarray(self._host_scores_shape, dtype=np.single)
+            self._full, self._row_tokens = False, self._row_tokens[:0]
+        if self.host_logits_all and self.exact_rows(llama.input_ids[: llama.n_tokens]) < llama.n_tokens:
+            # The host would reuse rows it believes exact: have it evaluate its next prompt in full.
+            host.set_evaluated_prefix(llama, llama.input_ids, 0)
 
 
 class SharedLlamaState(LlamaState):
@@ -292,15 +404,21 @@ class _Attachment:
     nothing once a newer one starts, and the memory itself tells the next request what is in it.
     """
 
-    def __init__(self, llama: Llama, manager: CheckpointManager) -> None:
+    def __init__(self, llama: Llama, manager: CheckpointManager, backend: LlamaBackend) -> None:
         self.llama = llama
         self.manager = manager
+        self.backend = backend
         self.saved = {name: llama.__dict__[name] for name in _PATCHED if name in llama.__dict__}
         self.saved_cache = llama.cache
         self.current: _Generation | None = None
+        # (logprobs, echo) of the completion whose generation starts next.
+        self.pending_reads: tuple[bool, bool] | None = None
         self._generate = type(llama).generate.__get__(llama)
         self._load_state = type(llama).load_state.__get__(llama)
         self._generate_signature = inspect.signature(type(llama).generate)
+        completion = getattr(type(llama), host.COMPLETION_METHOD)
+        self._create_completion = completion.__get__(llama)
+        self._completion_signature = inspect.signature(completion)
 
     @property
     def prompt_end(self) -> int | None:
@@ -315,6 +433,8 @@ class _Attachment:
         llama.save_state = self.save_state
         llama.load_state = self.load_state
         llama.set_cache = self.set_cache
+        setattr(llama, host.COMPLETION_METHOD, self.create_completion)
+        self.backend.take_over_scores()
         if llama.cache is not None:
             self.set_cache(llama.cache)
         setattr(llama, _MANAGER_ATTR, self)
@@ -326,6 +446,7 @@ class _Attachment:
         llama.__dict__.update(self.saved)
         llama.cache = self.saved_cache
         llama.__dict__.pop(_MANAGER_ATTR, None)
+        self.backend.release()
 
     def _sync_host(self, n_keep: int, tokens: np.ndarray) -> None:
         host.set_evaluated_prefix(self.llama, tokens, n_keep)
@@ -352,27 +473,45 @@ class _Attachment:
             prompt_end = llama.n_tokens + len(new)
         manager.process(new, prompt_end)
 
+    def create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        bound = self._completion_signature.bind(self.llama, *args, **kwargs)
+        reads = (bound.arguments.get("logprobs") is not None, bool(bound.arguments.get("echo", False)))
+        return self._completion_with_reads(self._create_completion(*args, **kwargs), reads)
+
+    def _completion_with_reads(self, completion: Iterator[Any], reads: tuple[bool, bool]) -> Iterator[Any]:
+        # The host's body runs on the first next(): it calls generate() within this very call, which takes the reads.
+        self.pending_reads = reads
+        yield from completion
+
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
         bound = self._generate_signature.bind(self.llama, tokens, *args, **kwargs)
         reset = bound.arguments.get("reset", True)
-        return self._generate_with_prepare(list(tokens), reset, args, kwargs)
+        stopping = bound.arguments.get("stopping_criteria") is not None
+        return self._generate_with_prepare(list(tokens), reset, stopping, args, kwargs)
 
     def _generate_with_prepare(
-        self, tokens: list[int], reset: bool, args: tuple, kwargs: dict
+        self, tokens: list[int], reset: bool, stopping: bool, args: tuple, kwargs: dict
     ) -> Iterator[int]:
         generation = _Generation()
+        reads, self.pending_reads = self.pending_reads, None
+        logprobs, echo = reads or (False, False)
         with self.manager.lock:
             # The newest generation owns the slot: an older one the host abandoned mid-stream is simply superseded.
             self.current = generation
-            if reset and tokens:
-                prompt = np.asarray(tokens, dtype=np.int32)
-                n_keep = self.manager.prepare(prompt)
-                self._sync_host(n_keep, prompt)
+            prompt = np.asarray(tokens, dtype=np.int32)
             generation.prompt_end = len(tokens) if reset else self.llama.n_tokens + len(tokens)
+            needs = generation_needs(generation.prompt_end, logprobs=logprobs, echo=echo, stopping_criteria=stopping,
+                                     draft=self.llama.draft_model is not None)
+            limit = self.backend.begin_generation(needs, prompt if reset else prompt[:0])
+            if reset and tokens:
+                n_keep = self.manager.prepare(prompt, max_keep=limit)
+                self._sync_host(n_keep, prompt)
         try:
             yield from self._generate(tokens, *args, **kwargs)
         finally:
             generation.finished = True
+            if self.current is generation:
+                self.backend.end_generation()
 
     def save_state(self) -> SharedLlamaState:
         with self.manager.lock:
@@ -386,7 +525,7 @@ class _Attachment:
                 self._sync_host(n_keep, state.entry.tokens)
                 host.set_seed(self.llama, state.seed)
                 return
-            self._load_state(state)
+            self.backend.load_host_state(self._load_state, state)
             self.manager.adopt_memory(np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32))
 
     def set_cache(self, cache: BaseLlamaCache | None) -> None:
@@ -450,8 +589,9 @@ def attach(
         raise UnsupportedHostError("embedding contexts have no generation state to checkpoint")
     if not host.has_context(llama) or llama_cpp.llama_get_memory(llama.ctx) is None:
         raise UnsupportedHostError("this Llama has no context memory (vocab_only, closed, or created without one)")
-    manager = CheckpointManager(LlamaBackend(llama), settings, cache=cache, disk=disk, **overrides)
-    attachment = _Attachment(llama, manager)
+    backend = LlamaBackend(llama)
+    manager = CheckpointManager(backend, settings, cache=cache, disk=disk, **overrides)
+    attachment = _Attachment(llama, manager, backend)
     attachment.install()
     manager.hooks.on_attach()
     return manager

@@ -357,7 +357,7 @@ class CheckpointManager:
         self.clear_slot()
         slot.namespace = namespace
 
-    def plan(self, prompt: np.ndarray) -> Plan[CacheEntry]:
+    def plan(self, prompt: np.ndarray, max_keep: int | None = None) -> Plan[CacheEntry]:
         """How ``prompt`` would be served (see :func:`~ckpt_plugin.policy.plan_prompt`).
 
         Changes nothing but the disk tier's mappings of the candidates it fetched: counting, promotion and restores
@@ -367,15 +367,16 @@ class CheckpointManager:
         live = LiveMemory(slot.lineage, slot.n_tokens, int(self.backend.pos_min()), slot.checkpoints)
         hits = self.store.lookup(slot.namespace, self.fingerprint, prompt)
         return plan_prompt(self.kind, prompt, live, hits, self.settings.cache_min_discard,
-                           self.settings.cache_min_tokens)
+                           self.settings.cache_min_tokens, max_keep)
 
-    def prepare(self, prompt: Sequence[int] | np.ndarray) -> int:
+    def prepare(self, prompt: Sequence[int] | np.ndarray, max_keep: int | None = None) -> int:
         """Make the memory hold the longest prefix of ``prompt`` that can be served without evaluation.
 
         Looks at the live memory, the slot's checkpoints and every tier of the store; saves the live state into the
         cache first when the new prompt would discard enough of it. At least one prompt token is always left to
         evaluate.
 
+        :param max_keep: Keep at most this many tokens (see :func:`~ckpt_plugin.policy.plan_prompt`).
         :return: ``n_keep``: the memory now holds ``prompt[:n_keep]``.
         """
         prompt = np.asarray(prompt, dtype=np.int32)
@@ -384,7 +385,7 @@ class CheckpointManager:
         self.enter_namespace(self.current_namespace())
         self.counters.prompts += 1
         just_loaded = self._loaded_from_cache == slot.version
-        plan = self.plan(prompt)
+        plan = self.plan(prompt, max_keep)
         if plan.entry is not None and plan.tier != "ram":
             self.counters.disk_hits += 1
             self.store.promote(plan.entry)

@@ -269,6 +269,7 @@ def plan_prompt(
     hits: Iterable[Hit[C]],
     min_discard: int,
     min_tokens: int,
+    max_keep: int | None = None,
 ) -> Plan[C]:
     """Choose how to serve ``prompt``: from the live memory (truncated, or through one of its checkpoints) or from
     the stored candidate that keeps the most tokens.
@@ -283,8 +284,12 @@ def plan_prompt(
     :param hits: Candidates from the store, best tiers first.
     :param min_discard: Park the live state when the plan discards at least this many of its tokens ...
     :param min_tokens: ... and it holds at least this many.
+    :param max_keep: Keep at most this many tokens (a request that reads prompt logits keeps only the prefix whose
+        logits are known).
     """
     limit = max(len(prompt) - 1, 0)
+    if max_keep is not None:
+        limit = max(0, min(limit, max_keep))
     live_reuse = best_reuse(kind, live.lineage, live.n_tokens, live.pos_min, live.checkpoints, prompt, limit)
     best, entry, tier = live_reuse, None, None
     for hit in hits:
