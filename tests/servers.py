@@ -27,6 +27,10 @@ class Server:
         self.log = log
         self.url = f"http://127.0.0.1:{port}"
 
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        """``POST`` to ``path`` on this server."""
+        return httpx.post(f"{self.url}{path}", timeout=120, **kwargs)
+
     def metric(self, name: str, api_key: str | None = None) -> float:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text

@@ -164,3 +164,22 @@ def test_a_stopping_criterion_reads_the_latest_logits(make_llama: Any) -> None:
                                           stopping_criteria=StoppingCriteriaList([criterion]))):
         pass
     assert len(seen) == 3 and np.allclose(seen, want, atol=TOLERANCE)
+
+
+def test_a_chat_without_logprobs_computes_one_prompt_logit_per_batch(make_llama: Any) -> None:
+    llama = make_llama("gemma3", logits_all=True, chat_format="chatml")
+    manager = ckpt_plugin.attach(llama, checkpoint_min_step=32, load_entrypoints=False)
+    outputs: list[tuple[int, int]] = []
+    real_decode = llama._ctx.decode
+
+    def counting_decode(batch: Any) -> None:
+        flags = [bool(batch.batch.logits[i]) for i in range(batch.batch.n_tokens)]
+        outputs.append((sum(flags), len(flags)))
+        real_decode(batch)
+
+    llama._ctx.decode = counting_decode
+    messages = [{"role": "system", "content": "be brief " * 60}, {"role": "user", "content": "hello there"}]
+    llama.create_chat_completion(messages=messages, max_tokens=3, temperature=0)
+    # prompt batches end at n_batch (64) and at the checkpoint pauses; each computes its last token's logits only
+    assert outputs and all(n == 1 for n, _ in outputs)
+    assert sum(size for _, size in outputs) == manager.counters.tokens_evaluated > 64
