@@ -96,6 +96,7 @@ def describe(manager: CheckpointManager, namespace: str | None = None) -> dict[s
     return {
         "fingerprint": manager.fingerprint,
         "memory_kind": manager.kind.name,
+        "swa_full": manager.kind.swa_full,
         "slots": slots,
         "cache": [{"namespace": e.namespace, "n_tokens": e.n_tokens, "bytes": e.nbytes, "hits": e.hits,
                    "checkpoints": len(e.checkpoints)} for e in manager.cache.entries(namespace)],

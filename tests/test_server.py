@@ -180,6 +180,20 @@ def test_draft_model_from_the_command_line(tiny_model: Any) -> None:
         assert mine.choices[0].message.content == theirs.choices[0].message.content
 
 
+@pytest.mark.parametrize("swa_full", ["false", "true"])
+def test_swa_full_setting_reaches_the_model_and_answers_stay_equal(tiny_model: Any, swa_full: str) -> None:
+    path = tiny_model("gemma3")
+    args = model_args(path) + ["--swa_full", swa_full, "--checkpoint-admin", "true"]
+    with run_server(args) as ours, run_server(model_args(path), plain=True) as plain:
+        view = HTTP.get(f"{ours.url}/checkpoints").json()["models"]
+        assert [m["swa_full"] for m in view.values()] == [swa_full == "true"]
+        messages = [{"role": "system", "content": SYSTEM[0]}, {"role": "user", "content": "hello world"}]
+        for edit in ("hello world", "and then the dog"):
+            messages[-1]["content"] = edit
+            mine, theirs = chat(client(ours), messages), chat(client(plain), messages)
+            assert mine.choices[0].message.content == theirs.choices[0].message.content
+
+
 @pytest.mark.gemma
 def test_default_model_is_the_embedded_gemma(gemma_path: Any) -> None:
     """No --model: ckpt-serve serves Gemma-3-270M from its PyPI package; turns after the first reuse the prompt."""

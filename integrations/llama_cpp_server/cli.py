@@ -45,6 +45,7 @@ CHECKPOINT_FLAGS: dict[str, str] = {
     "--checkpoint-admin-key": "admin_key",
     "--checkpoint-max-body": "max_body_bytes",
     "--checkpoint-shutdown-timeout": "shutdown_timeout",
+    "--swa_full": "swa_full",
 }
 
 

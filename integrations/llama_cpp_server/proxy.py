@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Iterator
 
+import llama_cpp
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings
 
@@ -13,6 +16,30 @@ from ckpt_plugin.llama_backend import open_llama
 from ckpt_plugin.speculative import enable_speculative
 from ckpt_plugin.config import ServeSettings
 from ckpt_plugin.disk_tier import DiskTier
+
+
+_CREATE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def window_cache(swa_full: bool | None) -> Iterator[None]:
+    """Models created meanwhile get ``swa_full`` (``llama_cpp.server``'s model settings have no such field, and its
+    loader creates the ``Llama`` through ``llama_cpp.Llama``)."""
+    if swa_full is None:
+        yield
+        return
+
+    class WindowLlama(llama_cpp.Llama):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("swa_full", swa_full)
+            super().__init__(*args, **kwargs)
+
+    with _CREATE_LOCK:
+        original, llama_cpp.Llama = llama_cpp.Llama, WindowLlama
+        try:
+            yield
+        finally:
+            llama_cpp.Llama = original
 
 
 class CheckpointLlamaProxy(LlamaProxy):
@@ -29,6 +56,7 @@ class CheckpointLlamaProxy(LlamaProxy):
     def __init__(self, models: list[ModelSettings], settings: ServeSettings) -> None:
         self.draft_model = settings.draft_model
         self.draft_n = settings.draft_n
+        self.swa_full = settings.swa_full
         self.checkpoint_settings = CheckpointSettings(
             **settings.model_dump(include=set(CheckpointSettings.model_fields))
         )
@@ -51,7 +79,8 @@ class CheckpointLlamaProxy(LlamaProxy):
         if self.draft_model is not None:
             # llama-cpp-python samples every drafted position: the target needs logits for the whole batch.
             settings = settings.model_copy(update={"logits_all": True})
-        llama = LlamaProxy.load_llama_from_model_settings(settings)
+        with window_cache(self.swa_full):
+            llama = LlamaProxy.load_llama_from_model_settings(settings)
         alias = settings.model_alias or settings.model
         cache = self._caches.get(alias)
         if cache is None:
