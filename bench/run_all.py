@@ -23,6 +23,9 @@ from micro import thp_setting
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 OUTPUT = ROOT / "docs" / "benchmarks.md"
+SECTIONS_DIR = ROOT / "docs" / "bench-sections"
+"""Sections of long benchmarks run on their own (the soak, the integrations, the shared tier): each writes its markdown
+here, and every regeneration of docs/benchmarks.md includes the latest, in file-name order."""
 BENCHES = ("micro", "lookup", "sharing", "branching", "chat", "speculative")
 # chat.py's --json is its raw per-request record; its section for this page comes through --report-json.
 REPORT_FLAG = {"chat": "--report-json"}
@@ -184,6 +187,7 @@ def render(sections: list[Section], command: str, quick: bool, started: datetime
             parts.append(section.report.markdown().rstrip())
         else:
             parts.append(f"## {section.name}: FAILED\n\n```\n{section.error.strip()}\n```")
+    parts += [path.read_text().rstrip() for path in sorted(SECTIONS_DIR.glob("*.md"))]
     return "\n\n".join(parts) + "\n"
 
 

@@ -279,6 +279,8 @@ def main() -> None:
     parser.add_argument("--no-plain", action="store_true", help="skip the llama_cpp.server run side by side")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--plot", type=pathlib.Path, default=None)
+    parser.add_argument("--markdown", type=pathlib.Path, default=None,
+                        help="write the docs section here (docs/bench-sections/50-soak.md)")
     parser.add_argument("--replot", type=pathlib.Path, default=None, help="only draw --plot from this --out file")
     args = parser.parse_args()
     if args.replot:
@@ -313,8 +315,64 @@ def main() -> None:
         series = {"ckpt_serve": {k: plugin[k] for k in ("rss_series", "state_series")},
                   "llama_cpp_server": {"rss_series": plain["rss_series"]} if plain else None}
         args.out.write_text(json.dumps({**summary, "series": series}, indent=1))
+    if args.markdown:
+        args.markdown.write_text(markdown(summary, args))
     if args.plot:
         plot({**summary, "series": {"ckpt_serve": plugin, "llama_cpp_server": plain}}, args.plot)
+
+
+def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    """The soak's section of docs/benchmarks.md."""
+    ours, alone = summary["ckpt_serve"], summary["llama_cpp_server"] or {}
+    mib = 2**20
+
+    def kinds(figures: dict[str, Any]) -> str:
+        return ", ".join(f"{n:,} {k}" for k, n in sorted(figures.get("by_kind", {}).items()))
+
+    def row(name: str, key: str, fmt: Any = "{:,}".format, goal: str = "") -> str:
+        values = [fmt(f[key]) if f.get(key) is not None else "-" for f in (ours, alone)]
+        return f"| {name} | {values[0]} | {values[1]} | {goal} |"
+
+    seconds = "{:.2f} s".format
+    rows = [
+        "| figure | ckpt-serve | llama_cpp.server alone | goal |",
+        "| --- | --- | --- | --- |",
+        f"| requests served | {ours['requests_served']:,} ({kinds(ours)}) | "
+        f"{alone.get('requests_served', 0):,} ({kinds(alone)}) | |",
+        row("hangs (no answer within the hang bound)", "hangs", goal="0"),
+        row("5xx", "server_errors_5xx", goal="0"),
+        row("wrong answers", "wrong_answers", goal="0"),
+        row("client-side errors", "client_errors"),
+        row("TTFT p50", "ttft_p50_s", seconds),
+        row("TTFT p95", "ttft_p95_s", seconds),
+        row("RSS at start (warmed up)", "rss_start_bytes", lambda b: f"{b / mib:,.0f} MiB"),
+        row("RSS peak", "rss_peak_bytes", lambda b: f"{b / mib:,.0f} MiB"),
+        row("RSS growth beyond the host arrays, peak", "growth_beyond_host_peak_bytes",
+            lambda b: f"{b / mib:,.0f} MiB"),
+        f"| plugin state bytes, peak (its stats) | {ours['plugin_state_peak_bytes'] / mib:,.0f} MiB "
+        f"({summary['plugin_state_over_budget']:.2f}x the budget) | | <= 1.1x |",
+        f"| RSS growth the plugin adds (ckpt-serve's growth beyond host arrays minus the host's) | "
+        f"{summary['added_growth_peak_bytes'] / mib:,.0f} MiB ({summary['added_growth_over_budget']:.2f}x the budget) "
+        f"| | <= 1.1x |",
+    ]
+    return "\n".join([
+        f"## Soak: {args.clients} concurrent clients for {args.minutes:g} minutes (`bench/soak.py`)",
+        "",
+        f"`python bench/soak.py --minutes {args.minutes:g} --clients {args.clients} --budget {args.budget} "
+        "--out docs/soak.json --plot docs/soak-rss.png --markdown docs/bench-sections/50-soak.md`: ckpt-serve on the "
+        "embedded Gemma-3-270M (n_ctx 4096, llama_cpp.server's defaults: `interrupt_requests` on, `logits_all` on), "
+        "then llama_cpp.server alone under the same mix, one after the other in one run. Each client mixes "
+        "multi-turn chats and branches (streamed), 20% streams dropped after 1 to 5 chunks, 5% malformed bodies "
+        "(bad JSON, arrays, schema errors, 5,000-deep nesting, and for ckpt-serve an unparsable grammar, which "
+        "kills llama_cpp.server alone with SIGSEGV) and slot saves/restores (ckpt-serve only). Streams that ran to "
+        "their finish are compared with the answer the same request got earlier. "
+        f"Goal met: {'yes' if summary['goal_budget_plus_10pct_met'] else 'no'}.",
+        "",
+        *rows,
+        "",
+        "The series are in `docs/soak.json`, plotted in `docs/soak-rss.png`.",
+        "",
+    ])
 
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
