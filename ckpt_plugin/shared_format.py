@@ -1,0 +1,198 @@
+"""How the shared tier lays cache entries out as key-value pairs (pure: no network here).
+
+An entry of partition (model fingerprint, namespace) is stored as
+
+- a **manifest** under ``<prefix>:<fp>:<ns>:e:<entry id>``: the entry in the persistence format of
+  :mod:`ckpt_plugin.persist` (versioned, fingerprinted, BLAKE2b digests of the header and of the whole) with the
+  required file flag :data:`~ckpt_plugin.persist.FILE_BLOB_REFS`: each blob payload is a 40-byte reference (the
+  SHA-256 of the state bytes and their length) instead of the bytes;
+- one **blob** per distinct state buffer under ``<prefix>:<fp>:<ns>:b:<sha-256>``: the raw state bytes, checked
+  against the digest that names them. Entries that share a checkpoint (a conversation's turns, branches of one
+  prefix) reference one blob, stored once, as the RAM cache counts a shared buffer once;
+- one **index** key per whole block of :data:`BLOCK_TOKENS` tokens of the entry, under
+  ``<prefix>:<fp>:<ns>:i:<chained hash>``, whose value is the id of the newest entry holding that prefix. The
+  chained hash of block ``j`` covers every token up to the end of block ``j`` (and the partition), so one
+  ``MGET`` of a prompt's block hashes tells how deep a stored prefix goes, in one round trip, whatever the number
+  of entries.
+
+``<fp>`` and ``<ns>`` are digests of the fingerprint and the namespace: replicas of other models, other context
+settings or other tenants compute other keys and never read each other's values, and the manifest records both in
+full, checked on every read. Nothing is ever unpickled: manifests are parsed field by field by :mod:`persist`, blobs
+are bytes checked by their digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import re
+import struct
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .cache import CacheEntry
+from .checkpoint import Checkpoint, StateBuffer, as_state_buffer
+from .errors import CorruptFileError
+from .persist import decode_entry, encode_entry
+
+BLOCK_TOKENS = 32
+"""Tokens per index block: a stored prefix is found to the block, its exact length read from the manifest."""
+MAX_LOOKUP_BLOCKS = 1024
+"""Index keys asked for at most per lookup (32,768 tokens of prompt): one ``MGET`` of at most this many keys."""
+BLOB_DIGEST = "sha256"
+"""Names and checks blobs: hardware-accelerated on x86-64 and ARMv8, 2.5x faster than BLAKE2b on the test machine."""
+
+_REF = struct.Struct("<32sQ")
+_MAX_BLOB_BYTES = 1 << 40
+_ID = re.compile(rb"[0-9a-f]{32}")
+
+
+def blob_digest(buffer: StateBuffer) -> bytes:
+    """The digest naming ``buffer``'s bytes."""
+    return hashlib.new(BLOB_DIGEST, memoryview(buffer)).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRef:
+    """A manifest's reference to one blob."""
+
+    digest: bytes
+    length: int
+
+    def encode(self) -> StateBuffer:
+        return as_state_buffer(_REF.pack(self.digest, self.length))
+
+    @classmethod
+    def decode(cls, data: StateBuffer, where: str) -> BlobRef:
+        if data.nbytes != _REF.size:
+            raise CorruptFileError(f"{where}: a blob reference is {data.nbytes} bytes, not {_REF.size}")
+        digest, length = _REF.unpack(data.tobytes())
+        if length > _MAX_BLOB_BYTES:
+            raise CorruptFileError(f"{where}: a blob reference names {length} bytes")
+        return cls(digest, length)
+
+
+def check_blob(data: bytes, ref: BlobRef, where: str) -> StateBuffer:
+    """``data`` as a read-only state buffer if it is the blob ``ref`` names (length and digest), without copying."""
+    if len(data) != ref.length:
+        raise CorruptFileError(f"{where}: {len(data)} bytes where the manifest names {ref.length}")
+    if hashlib.new(BLOB_DIGEST, data).digest() != ref.digest:
+        raise CorruptFileError(f"{where}: digest mismatch (the value is corrupted)")
+    return as_state_buffer(data)
+
+
+def _short(text: str, person: bytes) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8, person=person).hexdigest()
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The keys of one (model fingerprint, namespace) partition under ``prefix``."""
+
+    prefix: str
+    fingerprint: str
+    namespace: str
+
+    @functools.cached_property
+    def base(self) -> str:
+        return f"{self.prefix}:{_short(self.fingerprint, b'ckpt-fp')}:{_short(self.namespace, b'ckpt-ns')}:"
+
+    @functools.cached_property
+    def _seed(self) -> bytes:
+        # The partition is part of every hash, not only of the key's text.
+        return f"{len(self.fingerprint)}:{self.fingerprint}\0{len(self.namespace)}:{self.namespace}\0".encode()
+
+    def entry_id(self, tokens: np.ndarray) -> str:
+        """The id of the entry holding exactly ``tokens`` (32 hex digits)."""
+        digest = hashlib.blake2b(self._seed, digest_size=16, person=b"ckpt-entry")
+        digest.update(np.ascontiguousarray(tokens, dtype="<i4").tobytes())
+        return digest.hexdigest()
+
+    def entry_key(self, entry_id: str) -> str:
+        return f"{self.base}e:{entry_id}"
+
+    def blob_key(self, digest: bytes) -> str:
+        return f"{self.base}b:{digest.hex()}"
+
+    def index_key(self, chained: bytes) -> str:
+        return f"{self.base}i:{chained.hex()}"
+
+    def chain(self, tokens: np.ndarray, n_blocks: int | None = None) -> list[bytes]:
+        """The chained hashes of the first ``n_blocks`` whole blocks of ``tokens`` (all of them by default)."""
+        data = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+        count = len(tokens) // BLOCK_TOKENS if n_blocks is None else min(n_blocks, len(tokens) // BLOCK_TOKENS)
+        hasher = hashlib.blake2b(self._seed, digest_size=16, person=b"ckpt-index")
+        step = BLOCK_TOKENS * 4
+        out = []
+        for block in range(count):
+            hasher.update(data[block * step : (block + 1) * step])
+            out.append(hasher.copy().digest())
+        return out
+
+
+def parse_entry_id(value: bytes | None) -> str | None:
+    """The entry id an index key holds, ``None`` for a missing or malformed value."""
+    if value is None or not _ID.fullmatch(value):
+        return None
+    return value.decode()
+
+
+def encode_manifest(entry: CacheEntry, digest_of: Callable[[StateBuffer], bytes]) -> tuple[bytes, dict[bytes, StateBuffer]]:
+    """The manifest of ``entry`` and the blobs it references, by digest (``digest_of`` names a buffer)."""
+    blobs: dict[bytes, StateBuffer] = {}
+
+    def ref(buffer: StateBuffer | None) -> StateBuffer | None:
+        if buffer is None:
+            return None
+        digest = digest_of(buffer)
+        blobs[digest] = buffer
+        return BlobRef(digest, int(buffer.nbytes)).encode()
+
+    records = [dataclasses.replace(c, target=ref(c.target), draft=ref(c.draft), speculative=ref(c.speculative))
+               for c in (entry.state, *entry.checkpoints)]
+    manifest = CacheEntry(entry.tokens, records[0], tuple(records[1:]), entry.namespace)
+    return encode_entry(manifest, model_fingerprint=entry.fingerprint, blob_refs=True), blobs
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A decoded manifest: an entry whose buffers are blob references (it plans like any candidate: tokens,
+    positions and checkpoints are all there), and the references of each of its records."""
+
+    entry: CacheEntry
+    refs: Mapping[int, dict[str, BlobRef]]  # id(record) -> {"target": ref, "draft": ..., ...}
+
+    def blobs_of(self, records: list[Checkpoint]) -> dict[bytes, BlobRef]:
+        """The distinct blobs ``records`` (records of this manifest) reference, by digest."""
+        return {ref.digest: ref for record in records for ref in self.refs[id(record)].values()}
+
+    def resolve(self, record: Checkpoint, blobs: Mapping[bytes, StateBuffer]) -> Checkpoint:
+        """``record`` with its state bytes."""
+        refs = self.refs[id(record)]
+        return dataclasses.replace(record, **{name: blobs[ref.digest] for name, ref in refs.items()})
+
+    def materialize(self, checkpoint: Checkpoint | None, blobs: Mapping[bytes, StateBuffer]) -> CacheEntry:
+        """The entry restoring its full state and ``checkpoint`` (one of its records, or ``None``); the other
+        checkpoints stay behind, never fetched."""
+        entry = self.entry
+        checkpoints = (self.resolve(checkpoint, blobs),) if checkpoint is not None else ()
+        return CacheEntry(entry.tokens, self.resolve(entry.state, blobs), checkpoints, entry.namespace)
+
+
+def decode_manifest(data: bytes, partition: Partition, where: str) -> Manifest:
+    """The manifest in ``data``, read from ``partition``'s key ``where``.
+
+    :raises CorruptFileError: Malformed, or recording another namespace than its key's.
+    :raises IncompatibleStateError: It records another fingerprint than its key's.
+    """
+    entry = decode_entry(data, expected_fingerprint=partition.fingerprint, blob_refs=True, label=where)
+    if entry.namespace != partition.namespace:
+        raise CorruptFileError(f"{where}: the manifest records another namespace than its key")
+    refs = {}
+    for record in (entry.state, *entry.checkpoints):
+        refs[id(record)] = {name: BlobRef.decode(buffer, where) for name in ("target", "draft", "speculative")
+                            if (buffer := getattr(record, name)) is not None}
+    return Manifest(entry, refs)
