@@ -29,7 +29,7 @@ import hashlib
 import re
 import struct
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from .cache import CacheEntry
 from .checkpoint import Checkpoint, StateBuffer, as_state_buffer
 from .errors import CorruptFileError
 from .persist import decode_entry, encode_entry
+from .policy import checkpoints_to_erase, common_prefix
 
 BLOCK_TOKENS = 32
 """Tokens per index block: a stored prefix is found to the block, its exact length read from the manifest."""
@@ -140,32 +141,28 @@ def parse_entry_id(value: bytes | None) -> str | None:
     return value.decode()
 
 
-def encode_manifest(entry: CacheEntry, digest_of: Callable[[StateBuffer], bytes]) -> tuple[bytes, dict[bytes, StateBuffer]]:
-    """The manifest of ``entry`` and the blobs it references, by digest (``digest_of`` names a buffer)."""
-    blobs: dict[bytes, StateBuffer] = {}
-
-    def ref(buffer: StateBuffer | None) -> StateBuffer | None:
-        if buffer is None:
-            return None
-        digest = digest_of(buffer)
-        blobs[digest] = buffer
-        return BlobRef(digest, int(buffer.nbytes)).encode()
-
-    records = [dataclasses.replace(c, target=ref(c.target), draft=ref(c.draft), speculative=ref(c.speculative))
-               for c in (entry.state, *entry.checkpoints)]
-    manifest = CacheEntry(entry.tokens, records[0], tuple(records[1:]), entry.namespace)
-    return encode_entry(manifest, model_fingerprint=entry.fingerprint, blob_refs=True), blobs
+MAX_MANIFEST_CHECKPOINTS = 64
+"""Checkpoints a manifest names at most (its own and those carried from its lineage, spread as a slot's are)."""
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """A decoded manifest: an entry whose buffers are blob references (it plans like any candidate: tokens,
-    positions and checkpoints are all there), and the references of each of its records."""
+    """A manifest as a reader decodes it: an entry whose buffers are blob references (it plans like any candidate:
+    tokens, positions and checkpoints are all there), and the references of each of its records."""
 
     entry: CacheEntry
     refs: Mapping[int, dict[str, BlobRef]]  # id(record) -> {"target": ref, "draft": ..., ...}
 
-    def blobs_of(self, records: list[Checkpoint]) -> dict[bytes, BlobRef]:
+    @classmethod
+    def of(cls, entry: CacheEntry, where: str) -> Manifest:
+        """The manifest of ``entry``, whose buffers are encoded :class:`BlobRef` objects."""
+        refs = {}
+        for record in (entry.state, *entry.checkpoints):
+            refs[id(record)] = {name: BlobRef.decode(buffer, where) for name in ("target", "draft", "speculative")
+                                if (buffer := getattr(record, name)) is not None}
+        return cls(entry, refs)
+
+    def blobs_of(self, records: Sequence[Checkpoint]) -> dict[bytes, BlobRef]:
         """The distinct blobs ``records`` (records of this manifest) reference, by digest."""
         return {ref.digest: ref for record in records for ref in self.refs[id(record)].values()}
 
@@ -182,6 +179,60 @@ class Manifest:
         return CacheEntry(entry.tokens, self.resolve(entry.state, blobs), checkpoints, entry.namespace)
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """What writing an entry to the shared tier takes.
+
+    :ivar data: The manifest's bytes.
+    :ivar blobs: The state bytes of the entry's own buffers, by digest (written unless the server has them).
+    :ivar carried: Digests of blobs the manifest names from its lineage (stored by earlier entries, not re-sent).
+    :ivar manifest: The manifest as a reader will decode it (the lineage of later entries).
+    """
+
+    data: bytes
+    blobs: dict[bytes, StateBuffer]
+    carried: list[bytes]
+    manifest: Manifest
+
+
+def encode_manifest(entry: CacheEntry, digest_of: Callable[[StateBuffer], bytes],
+                    lineage: Sequence[Manifest] = ()) -> Encoded:
+    """The manifest of ``entry`` (``digest_of`` names a buffer).
+
+    A replica restores one checkpoint of a shared entry and never fetches the others, so its slot holds fewer
+    checkpoints than the lineage has. The manifest names them all the same: each checkpoint of a ``lineage``
+    manifest taken on a prefix ``entry`` shares is carried over by reference, so a later branch from any replica
+    still finds its restore point. At most :data:`MAX_MANIFEST_CHECKPOINTS` are named, spread over the prompt.
+    """
+    blobs: dict[bytes, StateBuffer] = {}
+
+    def ref(buffer: StateBuffer | None) -> StateBuffer | None:
+        if buffer is None:
+            return None
+        digest = digest_of(buffer)
+        blobs[digest] = buffer
+        return BlobRef(digest, int(buffer.nbytes)).encode()
+
+    state, *own = [dataclasses.replace(c, target=ref(c.target), draft=ref(c.draft), speculative=ref(c.speculative))
+                   for c in (entry.state, *entry.checkpoints)]
+    by_position = {c.n_tokens: c for c in own}
+    carried_from: dict[int, Manifest] = {}
+    for manifest in lineage:
+        shared = common_prefix(manifest.entry.tokens, entry.tokens)
+        for checkpoint in manifest.entry.checkpoints:
+            if checkpoint.n_tokens <= shared and checkpoint.n_tokens not in by_position:
+                by_position[checkpoint.n_tokens] = checkpoint
+                carried_from[id(checkpoint)] = manifest
+    checkpoints = sorted(by_position.values(), key=lambda c: c.n_tokens)
+    erased = {id(c) for c in checkpoints_to_erase(checkpoints, MAX_MANIFEST_CHECKPOINTS)}
+    checkpoints = [c for c in checkpoints if id(c) not in erased]
+    carried = [ref.digest for c in checkpoints if id(c) in carried_from
+               for ref in carried_from[id(c)].refs[id(c)].values()]
+    ref_entry = CacheEntry(entry.tokens, state, tuple(checkpoints), entry.namespace)
+    data = encode_entry(ref_entry, model_fingerprint=entry.fingerprint, blob_refs=True)
+    return Encoded(data, blobs, carried, Manifest.of(ref_entry, "<written>"))
+
+
 def decode_manifest(data: bytes, partition: Partition, where: str) -> Manifest:
     """The manifest in ``data``, read from ``partition``'s key ``where``.
 
@@ -191,8 +242,4 @@ def decode_manifest(data: bytes, partition: Partition, where: str) -> Manifest:
     entry = decode_entry(data, expected_fingerprint=partition.fingerprint, blob_refs=True, label=where)
     if entry.namespace != partition.namespace:
         raise CorruptFileError(f"{where}: the manifest records another namespace than its key")
-    refs = {}
-    for record in (entry.state, *entry.checkpoints):
-        refs[id(record)] = {name: BlobRef.decode(buffer, where) for name in ("target", "draft", "speculative")
-                            if (buffer := getattr(record, name)) is not None}
-    return Manifest(entry, refs)
+    return Manifest.of(entry, where)

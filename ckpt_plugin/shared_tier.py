@@ -35,7 +35,7 @@ import numpy as np
 from .cache import CacheEntry
 from .checkpoint import StateBuffer
 from .errors import CaptureError, CheckpointError, ConfigError
-from .policy import Hit, MemoryKind, best_reuse, common_prefix
+from .policy import Hit, MemoryKind, Reuse, best_reuse
 from .shared_format import (
     BLOCK_TOKENS,
     MAX_LOOKUP_BLOCKS,
@@ -63,6 +63,8 @@ WRITE_TIMEOUT = 5.0
 """Seconds a write-behind command may block (a state of tens of MB takes a while on a slow link)."""
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _RECENT = 4096
+LINEAGE_MANIFESTS = 64
+"""Manifests restored from or written recently, whose checkpoints later entries of their lineages name."""
 _T = TypeVar("_T")
 
 
@@ -196,6 +198,7 @@ class SharedTier:
         self._digests = DigestCache()
         self._partitions: dict[tuple[str, str], Partition] = {}
         self._recent: OrderedDict[str, float] = OrderedDict()
+        self._lineage: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
         self._lock = threading.Lock()
         self._up = True
         self._published: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
@@ -304,16 +307,20 @@ class SharedTier:
         keys = [partition.entry_key(entry_id) for entry_id in candidates]
         values = self._reader.mget(keys)
         self._count(round_trips=1, bytes_read=sum(len(v) for v in values if v is not None))
-        hits = []
+        rated = []
         for key, value in zip(keys, values):
             if value is None:
                 continue  # evicted (or expired) since the index named it
             manifest = self._valid(key, lambda: decode_manifest(value, partition, key))
             if manifest is None:
                 continue
-            n_common = common_prefix(manifest.entry.tokens, prompt)
-            hits.append(Hit(TIER, n_common, self._fetcher(partition, manifest, prompt, kind, limit)))
-        return hits
+            entry = manifest.entry
+            reuse = best_reuse(kind, entry.tokens, entry.n_tokens, entry.pos_min, entry.checkpoints, prompt, limit)
+            if reuse.n_keep > 0:
+                rated.append((reuse, manifest))
+        # The hit's n_common is what its entry can serve, so the planner fetches only the one that serves most.
+        rated.sort(key=lambda pair: -pair[0].n_keep)
+        return [Hit(TIER, reuse.n_keep, self._fetcher(partition, manifest, reuse)) for reuse, manifest in rated]
 
     def _valid(self, key: str, parse: Callable[[], _T]) -> _T | None:
         """``parse()``, or ``None`` (and the value dropped) if the value at ``key`` fails validation."""
@@ -335,14 +342,13 @@ class SharedTier:
         except self._errors as exc:
             self._failed("delete", exc)
 
-    def _fetcher(self, partition: Partition, manifest: Manifest, prompt: np.ndarray, kind: MemoryKind,
-                 limit: int) -> Callable[[], CacheEntry | None]:
+    def _fetcher(self, partition: Partition, manifest: Manifest, reuse: Reuse) -> Callable[[], CacheEntry | None]:
         def fetch() -> CacheEntry | None:
             if not self._up:
                 return None
             started = time.perf_counter()
             try:
-                return self._fetch(partition, manifest, prompt, kind, limit)
+                return self._fetch(partition, manifest, reuse)
             except self._errors as exc:
                 self._failed("fetch", exc)
             except Exception as exc:  # the shared tier never fails a request
@@ -354,14 +360,10 @@ class SharedTier:
 
         return fetch
 
-    def _fetch(self, partition: Partition, manifest: Manifest, prompt: np.ndarray, kind: MemoryKind,
-               limit: int) -> CacheEntry | None:
-        """The entry as far as the plan restores it: its full state and the one checkpoint that serves ``prompt``
-        best (the planner rates the fetched entry again and finds the same)."""
+    def _fetch(self, partition: Partition, manifest: Manifest, reuse: Reuse) -> CacheEntry | None:
+        """The entry as far as the plan restores it: its full state and the one checkpoint that serves the prompt
+        best (``reuse``; the planner rates the fetched entry again and finds the same)."""
         entry = manifest.entry
-        reuse = best_reuse(kind, entry.tokens, entry.n_tokens, entry.pos_min, entry.checkpoints, prompt, limit)
-        if reuse.n_keep == 0:
-            return None
         records = [entry.state] if reuse.checkpoint is None else [entry.state, reuse.checkpoint]
         refs = manifest.blobs_of(records)
         blobs: dict[bytes, StateBuffer] = {}
@@ -383,7 +385,22 @@ class SharedTier:
                     return None
                 self._digests.remember(buffer, ref.digest)
                 blobs[ref.digest] = buffer
+        self._note(partition, manifest)
         return manifest.materialize(reuse.checkpoint, blobs)
+
+    def _note(self, partition: Partition, manifest: Manifest) -> None:
+        """Remember a manifest this replica restored from or wrote: the next entries of its lineage name its
+        checkpoints, which the slot does not hold."""
+        key = (partition.base, partition.entry_id(manifest.entry.tokens))
+        with self._lock:
+            self._lineage[key] = manifest
+            self._lineage.move_to_end(key)
+            while len(self._lineage) > LINEAGE_MANIFESTS:
+                self._lineage.popitem(last=False)
+
+    def _lineage_of(self, partition: Partition) -> list[Manifest]:
+        with self._lock:
+            return [m for (base, _), m in self._lineage.items() if base == partition.base]
 
     def count_hit(self) -> None:
         """A plan restored an entry of this tier."""
@@ -431,7 +448,8 @@ class SharedTier:
 
     def _write_entry(self, partition: Partition, entry_id: str, entry: CacheEntry) -> None:
         """Blobs first, then the manifest, then the index: a reader that finds an index key finds the rest."""
-        manifest, blobs = encode_manifest(entry, self._digests.digest)
+        encoded = encode_manifest(entry, self._digests.digest, self._lineage_of(partition))
+        blobs = encoded.blobs
         blob_keys = {digest: partition.blob_key(digest) for digest in blobs}
         pipe = self._writer.pipeline(transaction=False)
         for key in blob_keys.values():
@@ -445,15 +463,19 @@ class SharedTier:
                 written += int(blobs[digest].nbytes)
             elif self.ttl is not None:
                 pipe.expire(key, self.ttl)
+        if self.ttl is not None:
+            for digest in encoded.carried:
+                pipe.expire(partition.blob_key(digest), self.ttl)
         if not self._executed(pipe, "write blobs"):
             return
         pipe = self._writer.pipeline(transaction=False)
-        pipe.set(partition.entry_key(entry_id), manifest, ex=self.ttl)
+        pipe.set(partition.entry_key(entry_id), encoded.data, ex=self.ttl)
         for chained in partition.chain(entry.tokens):
             pipe.set(partition.index_key(chained), entry_id, ex=self.ttl)
         if not self._executed(pipe, "write manifest"):
             return
-        self._count(writes=1, bytes_written=written + len(manifest), round_trips=3)
+        self._count(writes=1, bytes_written=written + len(encoded.data), round_trips=3)
+        self._note(partition, encoded.manifest)
         with self._lock:
             self._recent[entry_id] = time.monotonic()
             self._recent.move_to_end(entry_id)

@@ -55,7 +55,8 @@ def test_encode_entry_is_what_write_entry_writes_and_decodes_without_copies(tmp_
 
 def test_a_manifest_references_each_distinct_buffer_once_and_resolves_only_what_is_asked() -> None:
     entry = make_entry()
-    manifest_bytes, blobs = encode_manifest(entry, blob_digest)
+    encoded = encode_manifest(entry, blob_digest)
+    manifest_bytes, blobs = encoded.data, encoded.blobs
     unique = {id(b): b for b in entry.buffers()}
     assert len(blobs) == len(unique)
     assert len(manifest_bytes) < 2000  # tokens and references: no state bytes
@@ -73,14 +74,34 @@ def test_a_manifest_references_each_distinct_buffer_once_and_resolves_only_what_
 
 def test_entries_sharing_a_checkpoint_share_its_blob() -> None:
     shared = Checkpoint(40, 9, 39, True, blob(1, 300), FP)
-    _, blobs_a = encode_manifest(make_entry(100, shared=shared), blob_digest)
-    _, blobs_b = encode_manifest(make_entry(120, shared=shared), blob_digest)
+    blobs_a = encode_manifest(make_entry(100, shared=shared), blob_digest).blobs
+    blobs_b = encode_manifest(make_entry(120, shared=shared), blob_digest).blobs
     assert blob_digest(shared.target) in blobs_a and blob_digest(shared.target) in blobs_b
+
+
+def test_a_manifest_names_the_checkpoints_of_its_lineage_that_the_slot_no_longer_holds() -> None:
+    first = encode_manifest(make_entry(100), blob_digest)
+    # a replica restored the last checkpoint only, then went on: its entry has that one and a new one
+    restored = first.manifest.entry.checkpoints[1]
+    tokens = np.concatenate((np.arange(5, 104, dtype=np.int32), np.arange(900, 950, dtype=np.int32)))
+    state = Checkpoint(len(tokens), 0, len(tokens) - 1, False, blob(7, 800), FP)
+    newer = Checkpoint(140, 100, 139, True, blob(8, 300), FP)
+    held = Checkpoint(restored.n_tokens, restored.pos_min, restored.pos_max, True, blob(3, 310), FP)
+    second = encode_manifest(CacheEntry(tokens, state, (held, newer), "default"), blob_digest, [first.manifest])
+    positions = [c.n_tokens for c in second.manifest.entry.checkpoints]
+    assert positions == [40, 99, 140]  # the lineage's first checkpoint is named again, by reference
+    assert set(second.carried) == set(first.manifest.blobs_of([first.manifest.entry.checkpoints[0]]))
+    assert not set(second.carried) & set(second.blobs)  # carried blobs are not sent again
+    # a lineage that left the prompt earlier carries nothing past the divergence
+    diverged = np.concatenate((np.arange(5, 30, dtype=np.int32), np.arange(700, 800, dtype=np.int32)))
+    other = CacheEntry(diverged, Checkpoint(len(diverged), 0, len(diverged) - 1, False, blob(9, 80), FP), (),
+                       "default")
+    assert encode_manifest(other, blob_digest, [first.manifest]).manifest.entry.checkpoints == ()
 
 
 def test_manifests_refuse_files_foreign_partitions_and_malformed_references(tmp_path: Path) -> None:
     entry = make_entry(namespace="key:aaaa")
-    data, _ = encode_manifest(entry, blob_digest)
+    data = encode_manifest(entry, blob_digest).data
     # a manifest is not a slot file: the required flag stops the file reader
     (tmp_path / "m").write_bytes(data)
     with pytest.raises(CorruptFileError, match="unknown required file flags"):
@@ -110,9 +131,9 @@ def test_manifests_refuse_files_foreign_partitions_and_malformed_references(tmp_
 
 def test_blobs_are_checked_by_length_and_digest() -> None:
     entry = make_entry()
-    _, blobs = encode_manifest(entry, blob_digest)
-    digest, buffer = next(iter(blobs.items()))
-    manifest = decode_manifest(encode_manifest(entry, blob_digest)[0], Partition("ckpt", FP, "default"), "k")
+    encoded = encode_manifest(entry, blob_digest)
+    digest, buffer = next(iter(encoded.blobs.items()))
+    manifest = decode_manifest(encoded.data, Partition("ckpt", FP, "default"), "k")
     ref = manifest.blobs_of([manifest.entry.state, *manifest.entry.checkpoints])[digest]
     data = buffer.tobytes()
     checked = check_blob(data, ref, "k")

@@ -4,6 +4,7 @@ a failing server (killed, restarted, paused, full, serving garbage) is a miss, n
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -176,3 +177,31 @@ def test_a_full_queue_drops_and_counts() -> None:
     assert not publish(a)
     assert tier.stats()["write_drops"] >= 1
     assert tier.lookup("default", a.fingerprint, np.asarray(PROMPT), a.kind, 199) == []
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://:secret@127.0.0.1:notaport/0",
+                                 "redis://:secret@127.0.0.1:6379/db", "redis://", "unix://"])
+def test_a_bad_url_exits_2_with_a_message_that_keeps_the_password(url: str, capsys: Any) -> None:
+    from ckpt_plugin_integrations.llama_cpp_server.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", "x.gguf", "--checkpoint-redis-url", url])
+    message = capsys.readouterr().err
+    assert exited.value.code == 2 and "redis_url" in message and "secret" not in message, message
+
+
+def test_the_url_comes_from_flags_the_file_or_the_environment(tmp_path: Path, monkeypatch: Any) -> None:
+    from ckpt_plugin_integrations.llama_cpp_server.cli import load_settings
+
+    url = "rediss://user:secret@cache.internal:6380/2"
+    flags = load_settings(["--model", "x.gguf", "--checkpoint-redis-url", url, "--checkpoint-redis-ttl", "600"])[2]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"models": [{"model": "x.gguf"}],
+                                  "checkpoints": {"redis_url": url, "redis_ttl": 600}}))
+    from_file = load_settings(["--config_file", str(config)])[2]
+    monkeypatch.setenv("CKPT_REDIS_URL", url)
+    monkeypatch.setenv("CKPT_REDIS_TTL", "600")
+    from_env = load_settings(["--model", "x.gguf"])[2]
+    for settings in (flags, from_file, from_env):
+        assert settings.redis_url.get_secret_value() == url and settings.redis_ttl == 600
+        assert "secret" not in repr(settings)
