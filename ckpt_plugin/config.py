@@ -61,9 +61,10 @@ def check_redis_url(url: str) -> None:
         if parts.path not in ("", "/") and not re.fullmatch(r"/\d+", parts.path):
             raise ValueError("redis_url's path must be a database number (redis://host:port/0)")
     try:
+        import xxhash  # noqa: F401
         from redis.connection import parse_url
     except ImportError:
-        raise ValueError("redis_url needs redis-py: pip install 'ckpt_plugin[redis]'") from None
+        raise ValueError("redis_url needs redis-py and xxhash: pip install 'ckpt_plugin[redis]'") from None
     try:
         parse_url(url)
     except ValueError as exc:

@@ -44,7 +44,8 @@ SHARED_COUNTERS = {
     "writes": "Entries written to the shared tier",
     "write_errors": "Shared-tier writes that failed",
     "write_drops": "Entries not written to the shared tier: queue full or server unavailable",
-    "round_trips": "Round trips to the shared-tier server",
+    "round_trips": "Round trips to the shared-tier server on the request path (lookups and fetches)",
+    "write_round_trips": "Round trips to the shared-tier server of the write-behind thread",
 }
 SHARED_GAUGES = {
     "queue_depth": "Entries waiting to be written to the shared tier",

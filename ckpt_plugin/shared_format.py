@@ -4,9 +4,9 @@ An entry of partition (model fingerprint, namespace) is stored as
 
 - a **manifest** under ``<prefix>:<fp>:<ns>:e:<entry id>``: the entry in the persistence format of
   :mod:`ckpt_plugin.persist` (versioned, fingerprinted, BLAKE2b digests of the header and of the whole) with the
-  required file flag :data:`~ckpt_plugin.persist.FILE_BLOB_REFS`: each blob payload is a 40-byte reference (the
-  SHA-256 of the state bytes and their length) instead of the bytes;
-- one **blob** per distinct state buffer under ``<prefix>:<fp>:<ns>:b:<sha-256>``: the raw state bytes, checked
+  required file flag :data:`~ckpt_plugin.persist.FILE_BLOB_REFS`: each blob payload is a 24-byte reference (the
+  XXH3-128 digest of the state bytes and their length) instead of the bytes;
+- one **blob** per distinct state buffer under ``<prefix>:<fp>:<ns>:b:<xxh3-128>``: the raw state bytes, checked
   against the digest that names them. Entries that share a checkpoint (a conversation's turns, branches of one
   prefix) reference one blob, stored once, as the RAM cache counts a shared buffer once;
 - one **index** key per whole block of :data:`BLOCK_TOKENS` tokens of the entry, under
@@ -33,6 +33,11 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - the redis extra is missing: SharedTier refuses to start without it
+    xxhash = None
+
 from .cache import CacheEntry
 from .checkpoint import Checkpoint, StateBuffer, as_state_buffer
 from .errors import CorruptFileError
@@ -43,17 +48,18 @@ BLOCK_TOKENS = 32
 """Tokens per index block: a stored prefix is found to the block, its exact length read from the manifest."""
 MAX_LOOKUP_BLOCKS = 1024
 """Index keys asked for at most per lookup (32,768 tokens of prompt): one ``MGET`` of at most this many keys."""
-BLOB_DIGEST = "sha256"
-"""Names and checks blobs: hardware-accelerated on x86-64 and ARMv8, 2.5x faster than BLAKE2b on the test machine."""
-
-_REF = struct.Struct("<32sQ")
+_REF = struct.Struct("<16sQ")
 _MAX_BLOB_BYTES = 1 << 40
 _ID = re.compile(rb"[0-9a-f]{32}")
 
 
-def blob_digest(buffer: StateBuffer) -> bytes:
-    """The digest naming ``buffer``'s bytes."""
-    return hashlib.new(BLOB_DIGEST, memoryview(buffer)).digest()
+def blob_digest(buffer: StateBuffer | bytes) -> bytes:
+    """The digest naming ``buffer``'s bytes: XXH3-128, which hashes 20 MB in 1.4 ms on the test machine where SHA-256
+    takes 19 ms and BLAKE2b 46 ms. Blobs are written after responses and checked before restores, both on every
+    turn, so the digest is a cost of every request. It detects corruption, not forgery (neither does the file
+    format's BLAKE2b: anyone who can write the server can write anything); what names and checks a blob is the
+    manifest, itself checked by BLAKE2b."""
+    return xxhash.xxh3_128_digest(buffer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +86,7 @@ def check_blob(data: bytes, ref: BlobRef, where: str) -> StateBuffer:
     """``data`` as a read-only state buffer if it is the blob ``ref`` names (length and digest), without copying."""
     if len(data) != ref.length:
         raise CorruptFileError(f"{where}: {len(data)} bytes where the manifest names {ref.length}")
-    if hashlib.new(BLOB_DIGEST, data).digest() != ref.digest:
+    if blob_digest(data) != ref.digest:
         raise CorruptFileError(f"{where}: digest mismatch (the value is corrupted)")
     return as_state_buffer(data)
 

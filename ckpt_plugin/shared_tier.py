@@ -84,6 +84,7 @@ class SharedCounters:
     write_errors: int = 0
     write_drops: int = 0
     round_trips: int = 0
+    write_round_trips: int = 0
 
 
 class Latency:
@@ -177,10 +178,12 @@ class SharedTier:
                  queue: int = 8, retry: float = 2.0) -> None:
         try:
             import redis
+            import xxhash  # noqa: F401  (blob digests, see shared_format.blob_digest)
             from redis.backoff import NoBackoff
+            from redis.connection import Encoder, PythonRespSerializer
             from redis.retry import Retry
         except ImportError as exc:  # pragma: no cover - the redis extra is missing
-            raise ConfigError("the shared tier needs redis-py: pip install 'ckpt_plugin[redis]'") from exc
+            raise ConfigError("the shared tier needs redis-py and xxhash: pip install 'ckpt_plugin[redis]'") from exc
         self.url = redacted(url)
         self.prefix = prefix
         self.ttl = ttl
@@ -194,7 +197,10 @@ class SharedTier:
         options: dict[str, Any] = dict(socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
                                        client_name="ckpt_plugin")
         self._reader = redis.Redis.from_url(url, socket_timeout=timeout, **options)
-        self._writer = redis.Redis.from_url(url, socket_timeout=max(WRITE_TIMEOUT, timeout), **options)
+        # hiredis packs a command into one new buffer (two copies of every state); this packer sends them as they are.
+        packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+        self._writer = redis.Redis.from_url(url, socket_timeout=max(WRITE_TIMEOUT, timeout), command_packer=packer,
+                                            **options)
         self._digests = DigestCache()
         self._partitions: dict[tuple[str, str], Partition] = {}
         self._recent: OrderedDict[str, float] = OrderedDict()
@@ -202,7 +208,7 @@ class SharedTier:
         self._lock = threading.Lock()
         self._up = True
         self._published: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
-        self._queue = WriteBehind(queue, idle=self._probe, idle_interval=retry, name="ckpt-shared-tier")
+        self._queue = WriteBehind(queue, idle=self._probe, idle_interval=retry, name="ckpt-shared-tier", nice=19)
         self._queue.submit(Job(self._first_probe))
 
     # -------------------------------------------------------------------------------------------------------------
@@ -417,36 +423,57 @@ class SharedTier:
         """
         partition = self.partition(entry.namespace, entry.fingerprint)
         entry_id = partition.entry_id(entry.tokens)
-        if entry.n_tokens < BLOCK_TOKENS or self._written_recently(entry_id):
+        if entry.n_tokens < BLOCK_TOKENS or not self._claim(entry_id):
             release()
             return False
         if not self._up:
             self._count(write_drops=1)
+            self._unclaim(entry_id)
             release()
             return False
-        return self._queue.submit(Job(lambda: self._write(partition, entry_id, entry), release))
+        written = [False]
 
-    def _written_recently(self, entry_id: str) -> bool:
+        def run() -> None:
+            written[0] = self._write(partition, entry_id, entry)
+
+        def done() -> None:
+            if not written[0]:
+                self._unclaim(entry_id)  # dropped or failed: a later offer of the same state is written
+            release()
+
+        return self._queue.submit(Job(run, done))
+
+    def _claim(self, entry_id: str) -> bool:
+        """Record that ``entry_id`` is being written, unless it was (or is being) written recently: the state of a
+        slot is offered after its response and again when the slot is parked, and written once."""
         with self._lock:
-            written = self._recent.get(entry_id)
-            if written is None:
+            claimed = self._recent.get(entry_id)
+            now = time.monotonic()
+            if claimed is not None and (self.ttl is None or now - claimed < self.ttl / 2):
                 return False
-            fresh = self.ttl is None or time.monotonic() - written < self.ttl / 2
-            if not fresh:
-                del self._recent[entry_id]
-            return fresh
+            self._recent[entry_id] = now
+            self._recent.move_to_end(entry_id)
+            while len(self._recent) > _RECENT:
+                self._recent.popitem(last=False)
+            return True
 
-    def _write(self, partition: Partition, entry_id: str, entry: CacheEntry) -> None:
+    def _unclaim(self, entry_id: str) -> None:
+        with self._lock:
+            self._recent.pop(entry_id, None)
+
+    def _write(self, partition: Partition, entry_id: str, entry: CacheEntry) -> bool:
+        """Write ``entry``; return whether it is stored (a failure is counted, never raised)."""
         if not self._up:
             self._count(write_drops=1)
-            return
+            return False
         try:
-            self._write_entry(partition, entry_id, entry)
+            return self._write_entry(partition, entry_id, entry)
         except self._errors as exc:
             self._count(write_errors=1)
             self._failed("write", exc)
+            return False
 
-    def _write_entry(self, partition: Partition, entry_id: str, entry: CacheEntry) -> None:
+    def _write_entry(self, partition: Partition, entry_id: str, entry: CacheEntry) -> bool:
         """Blobs first, then the manifest, then the index: a reader that finds an index key finds the rest."""
         encoded = encode_manifest(entry, self._digests.digest, self._lineage_of(partition))
         blobs = encoded.blobs
@@ -467,20 +494,16 @@ class SharedTier:
             for digest in encoded.carried:
                 pipe.expire(partition.blob_key(digest), self.ttl)
         if not self._executed(pipe, "write blobs"):
-            return
+            return False
         pipe = self._writer.pipeline(transaction=False)
         pipe.set(partition.entry_key(entry_id), encoded.data, ex=self.ttl)
         for chained in partition.chain(entry.tokens):
             pipe.set(partition.index_key(chained), entry_id, ex=self.ttl)
         if not self._executed(pipe, "write manifest"):
-            return
-        self._count(writes=1, bytes_written=written + len(encoded.data), round_trips=3)
+            return False
+        self._count(writes=1, bytes_written=written + len(encoded.data), write_round_trips=3)
         self._note(partition, encoded.manifest)
-        with self._lock:
-            self._recent[entry_id] = time.monotonic()
-            self._recent.move_to_end(entry_id)
-            while len(self._recent) > _RECENT:
-                self._recent.popitem(last=False)
+        return True
 
     def _executed(self, pipe: Any, what: str) -> bool:
         """Run ``pipe``; a refused command (``maxmemory`` with ``noeviction``: OOM) fails the write, not the tier."""

@@ -8,6 +8,7 @@ it), counted in :attr:`WriteBehind.drops`. While nothing is queued the thread ru
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -35,13 +36,16 @@ class WriteBehind:
     :param max_jobs: Jobs waiting at most (0: every job is dropped).
     :param idle: Run on the worker thread every ``idle_interval`` seconds while the queue is empty.
     :param name: The thread's name.
+    :param nice: CPU priority of the thread (Linux: its own niceness): 19 makes it use only what the model's
+        threads leave idle, so a write never slows the request that follows it.
     """
 
     def __init__(self, max_jobs: int, idle: Callable[[], None] = _nothing, idle_interval: float = 1.0,
-                 name: str = "ckpt-write-behind") -> None:
+                 name: str = "ckpt-write-behind", nice: int = 0) -> None:
         self.max_jobs = max_jobs
         self.idle = idle
         self.idle_interval = idle_interval
+        self.nice = nice
         self.drops = 0
         self.done = 0
         self._jobs: deque[Job] = deque()
@@ -97,6 +101,11 @@ class WriteBehind:
             job.release()
 
     def _work(self) -> None:
+        if self.nice and hasattr(os, "setpriority"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except OSError:  # not permitted, or not per thread on this platform: run at the process's priority
+                pass
         while True:
             with self._changed:
                 if not self._jobs and not self._closed:

@@ -117,7 +117,7 @@ def test_manifests_refuse_files_foreign_partitions_and_malformed_references(tmp_
     flipped[len(data) // 2] ^= 0xFF
     with pytest.raises(CorruptFileError):
         decode_manifest(bytes(flipped), Partition("ckpt", FP, "key:aaaa"), "k")
-    # a well-formed entry whose "references" are not 40 bytes
+    # a well-formed entry whose "references" are not 24 bytes
     plain = encode_entry(entry, model_fingerprint=FP)
     forged = bytearray(plain)
     struct.pack_into("<I", forged, 12, FILE_BLOB_REFS)  # header digest now wrong: refused either way

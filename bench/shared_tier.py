@@ -1,0 +1,354 @@
+"""Shared tier: interleaved chat across 2 ckpt-serve replicas with round-robin routing (no affinity), on Gemma-3-270M.
+
+The conversation of ``bench/chat.py`` (each user a ~660-token system prompt of its own, short user messages, fixed
+assistant replies), with an odd number of users so that round-robin routing sends every turn after the first to the
+replica that did *not* serve the user's previous turn. Configurations, each with fresh servers (and a fresh
+redis-server where it has one), run one after the other, in ``--rounds`` rounds with the order rotated:
+
+- ``shared``: 2 replicas sharing one redis-server (``--checkpoint-redis-url``), round-robin;
+- ``local``: the same 2 replicas without the shared tier, round-robin;
+- ``one``: 1 replica alone (every turn on the replica that served the previous one);
+- ``one-shared``: 1 replica alone with the shared tier (what the tier costs a single replica).
+
+TTFT (time to the first content chunk of a streamed response) medians over the turns after the first; Redis round
+trips and bytes per request from the replicas' ``ckpt_shared_*`` counters. Goals: moved turns with the shared tier
+within 1.5x of same-replica turns and at most 0.25x of moved turns without it; a single replica with the tier within
+5% of one without it.
+
+Run: ``.venv/bin/python bench/shared_tier.py`` (3 users x 4 turns, 2 rounds), ``--quick`` (1 round), ``--users``,
+``--turns``, ``--rounds``, ``--markdown PATH`` (default ``docs/bench-shared-tier.md``), ``--json PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _common import fmt_bytes, fmt_ratio, markdown_table, ratio  # noqa: E402
+from chat import N_BATCH, N_CTX, N_THREADS, Config, ForeignLoad, Request, _stream, conversation, start  # noqa: E402
+from chat import token_counter  # noqa: E402
+
+MARKDOWN_PATH = ROOT / "docs" / "bench-shared-tier.md"
+DEFAULT_USERS, DEFAULT_TURNS, DEFAULT_ROUNDS, MAX_TOKENS = 3, 4, 2, 16
+CONFIGS = ("shared", "local", "one", "one-shared")
+GOALS = {"moved_over_same": 1.5, "moved_over_local": 0.25, "unseen_over_local": 0.25, "one_shared_over_one": 1.05}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A fresh redis-server on a free port (no persistence, LRU eviction within 1 GiB); yields its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not on PATH: run scripts/setup.sh")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-redis-") as directory:
+        process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                    "no", "--dir", directory, "--maxmemory", "1gb", "--maxmemory-policy",
+                                    "allkeys-lru"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("redis-server did not start") from None
+                    time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            process.terminate()
+            process.wait(timeout=10)
+
+
+def replica_config(model: str, name: str, redis_url: str | None) -> Config:
+    command = [sys.executable, "-m", "ckpt_plugin_integrations.llama_cpp_server", "--model", model,
+               "--n_ctx", str(N_CTX), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
+               "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS), "--seed", "0",
+               "--verbose", "false"]
+    if redis_url is not None:
+        command += ["--checkpoint-redis-url", redis_url]
+    return Config(name, name, command, ckpt=True)
+
+
+@dataclass
+class Turn:
+    """One request: where it went, whether its user's previous turn went elsewhere, what it cost."""
+
+    index: int
+    user: int
+    turn: int
+    replica: int
+    moved: bool
+    unseen: bool  # the replica never served this user before: the whole conversation is new to it
+    ttft: float
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    content: str
+
+
+@dataclass
+class Outcome:
+    """One configuration in one round."""
+
+    config: str
+    round: int
+    turns: list[Turn] = field(default_factory=list)
+    shared: dict[str, float] = field(default_factory=dict)  # ckpt_shared_* counter deltas, summed over replicas
+    foreign_cores: float = 0.0
+
+
+def shared_counters(url: str) -> dict[str, float]:
+    """``ckpt_shared_<name>_total`` counters of a replica (empty without a shared tier)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("ckpt_shared_") and "_total" in line:
+            name = line.split("{")[0][len("ckpt_shared_"):].removesuffix("_total")
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def drained(url: str, timeout: float = 30.0) -> None:
+    """Wait until a replica's write-behind queue is empty."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        depth = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("ckpt_shared_queue_depth"))
+        if depth == 0:
+            return
+        time.sleep(0.05)
+
+
+def run_config(name: str, model: str, requests: Sequence[Request], round_index: int, progress: bool) -> Outcome:
+    """Start ``name``'s replicas (and redis-server), send the conversation through its routing, stop them."""
+    import openai
+
+    n_replicas = 2 if name in ("shared", "local") else 1
+    outcome = Outcome(name, round_index)
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(redis_server()) if name in ("shared", "one-shared") else None
+        servers = [stack.enter_context(start(replica_config(model, f"{name}-{i}", url))) for i in range(n_replicas)]
+        clients = [openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=900) for s in servers]
+        for client in clients:  # load the model's pages before the first timed request
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=2, temperature=0)
+        before = [shared_counters(s.url) for s in servers]
+        last_replica: dict[int, int] = {}
+        seen: set[tuple[int, int]] = set()
+        load = ForeignLoad(servers[0])
+        for request in requests:
+            replica = request.index % n_replicas  # round-robin, no affinity
+            result = _stream(clients[replica], request, MAX_TOKENS, False)
+            moved = request.user in last_replica and last_replica[request.user] != replica
+            unseen = moved and (replica, request.user) not in seen
+            last_replica[request.user] = replica
+            seen.add((replica, request.user))
+            outcome.turns.append(Turn(request.index, request.user, request.turn, replica, moved, unseen, result.ttft,
+                                      result.prompt_tokens, result.cached_tokens, result.content))
+            if progress:
+                print(f"  [{name} r{round_index}] request {request.index:2d} user {request.user} turn {request.turn} "
+                      f"on replica {replica}{' (moved)' if moved else ''}: TTFT {result.ttft:6.3f} s, cached "
+                      f"{result.cached_tokens}/{result.prompt_tokens}", file=sys.stderr, flush=True)
+        outcome.foreign_cores = load.cores()
+        for server in servers:
+            drained(server.url)
+        after = [shared_counters(s.url) for s in servers]
+        for old, new in zip(before, after):
+            for key, value in new.items():
+                outcome.shared[key] = outcome.shared.get(key, 0.0) + value - old.get(key, 0.0)
+    return outcome
+
+
+def _seconds(value: float) -> str:
+    return "n/a" if value != value else f"{value:.3f} s"
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """TTFT medians (turns after the first, pooled over rounds), per-request Redis figures, ratios, goals."""
+    by_config: dict[str, dict[str, Any]] = {}
+    for name in CONFIGS:
+        runs = [o for o in outcomes if o.config == name]
+        if not runs:
+            continue
+        later = [t for o in runs for t in o.turns if t.turn > 0]
+        n_requests = sum(len(o.turns) for o in runs)
+        totals: dict[str, float] = {}
+        for o in runs:
+            for key, value in o.shared.items():
+                totals[key] = totals.get(key, 0.0) + value
+        by_config[name] = {
+            "ttft_later": _median([t.ttft for t in later]),
+            "ttft_moved": _median([t.ttft for t in later if t.moved]),
+            "ttft_unseen": _median([t.ttft for t in later if t.unseen]),
+            "ttft_first": _median([t.ttft for o in runs for t in o.turns if t.turn == 0]),
+            "cached_later": _median([float(t.cached_tokens or 0) for t in later]),
+            "prompt_later": _median([float(t.prompt_tokens or 0) for t in later]),
+            "n_requests": n_requests,
+            "per_request": {key: value / n_requests for key, value in totals.items()},
+            "foreign_cores": _median([o.foreign_cores for o in runs]),
+        }
+    ratios = {}
+    if "shared" in by_config and "one" in by_config:
+        ratios["moved_over_same"] = ratio(by_config["shared"]["ttft_moved"], by_config["one"]["ttft_later"])
+    if "shared" in by_config and "local" in by_config:
+        ratios["moved_over_local"] = ratio(by_config["shared"]["ttft_moved"], by_config["local"]["ttft_moved"])
+        ratios["unseen_over_local"] = ratio(by_config["shared"]["ttft_unseen"], by_config["local"]["ttft_unseen"])
+    if "one-shared" in by_config and "one" in by_config:
+        ratios["one_shared_over_one"] = ratio(by_config["one-shared"]["ttft_later"], by_config["one"]["ttft_later"])
+    reference = {t.index: t.content for o in outcomes if o.config == "one" for t in o.turns}
+    same_answers = {name: sum(t.content == reference.get(t.index) for o in outcomes if o.config == name
+                              for t in o.turns) for name in by_config}
+    return {"configs": by_config, "ratios": ratios, "same_answers": same_answers}
+
+
+LABELS = {
+    "shared": "2 replicas + shared tier, round-robin",
+    "local": "2 replicas, no shared tier, round-robin",
+    "one": "1 replica alone",
+    "one-shared": "1 replica alone + shared tier",
+}
+
+
+def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, command: str) -> str:
+    configs, ratios = summary["configs"], summary["ratios"]
+    rows = []
+    for name, figures in configs.items():
+        per = figures["per_request"]
+        rows.append([
+            f"`{name}`: {LABELS[name]}",
+            f"{figures['ttft_later']:.3f} s",
+            _seconds(figures["ttft_moved"]),
+            _seconds(figures["ttft_unseen"]),
+            f"{figures['ttft_first']:.3f} s",
+            f"{figures['cached_later']:.0f} / {figures['prompt_later']:.0f}",
+            f"{per.get('round_trips', 0):.2f} + {per.get('write_round_trips', 0):.2f}" if per else "-",
+            f"{fmt_bytes(per.get('bytes_read', 0))} / {fmt_bytes(per.get('bytes_written', 0))}" if per else "-",
+            f"{summary['same_answers'][name]}/{figures['n_requests']}",
+            f"{figures['foreign_cores']:.2f}",
+        ])
+    goal_rows = []
+    for key, label in (("moved_over_same", "moved turns, shared tier / same-replica turns (`one`)"),
+                       ("moved_over_local", "moved turns, shared tier / moved turns without it (`local`)"),
+                       ("unseen_over_local", "... on a replica new to the conversation"),
+                       ("one_shared_over_one", "single replica, with / without the shared tier")):
+        if key in ratios:
+            value = ratios[key]
+            goal_rows.append([label, fmt_ratio(value), f"<= {GOALS[key]}x",
+                              "met" if value <= GOALS[key] else "missed"])
+    per_shared = configs.get("shared", {}).get("per_request", {})
+    lines = [
+        "# Shared tier benchmark",
+        "",
+        "Written by `bench/shared_tier.py`; see `docs/shared-tier.md` for the design and `bench/README.md` for how "
+        "benchmarks are run.",
+        "",
+        f"Gemma-3-270M Q4_K_M, `n_ctx` {N_CTX}, `n_batch` {N_BATCH}, {N_THREADS} threads; the conversation of "
+        f"`bench/chat.py`: {users} users x {turns} turns, each user a ~660-token system prompt of its own, short user "
+        f"messages, fixed assistant replies, {MAX_TOKENS} tokens generated per request, streamed. Requests go "
+        f"round-robin over the replicas of a configuration with no affinity: with {users} users and 2 replicas, "
+        "every turn after the first lands on the replica that did not serve the user's previous turn (a *moved* "
+        f"turn). Each configuration starts fresh servers (and a fresh redis-server); {rounds} round(s), "
+        "configurations in rotated order, TTFT medians pooled over the rounds, over the turns after the first.",
+        "",
+        f"Command: `{command}`",
+        "",
+        markdown_table(["configuration", "TTFT median, turns 2+", "... moved turns",
+                        "... moved to a replica new to the conversation", "TTFT median, first turns",
+                        "cached / prompt tokens, turns 2+ (median)",
+                        "Redis round trips / request (request path + write-behind)",
+                        "bytes read / written per request", "same answer as `one`",
+                        "other load (cores)"], rows),
+        "",
+        markdown_table(["ratio", "measured", "goal", ""], goal_rows),
+        "",
+    ]
+    if per_shared:
+        lines += [
+            f"With the shared tier, a request costs {per_shared.get('round_trips', 0):.2f} round trips on its own "
+            f"path on average (lookup: 1 `MGET` of index keys, 1 `MGET` of manifests when a stored prefix can beat "
+            f"the local tiers; fetch: 1 `MGET` of blobs when the plan restores a shared entry) and "
+            f"{per_shared.get('write_round_trips', 0):.2f} on the write-behind thread after the response; "
+            f"{fmt_bytes(per_shared.get('bytes_read', 0))} read and {fmt_bytes(per_shared.get('bytes_written', 0))} "
+            "written per request (the full state of the conversation and the checkpoint the next turn restores; "
+            "checkpoints shared by entries are written once). "
+            f"Shared-tier hits: {per_shared.get('hits', 0) * configs['shared']['n_requests']:.0f} of "
+            f"{configs['shared']['n_requests']} requests.",
+            "",
+        ]
+    lines += [
+        "Without the shared tier a moved turn finds none of the conversation on its replica (only the state of the "
+        "user's turn before last, when the replica served it) and evaluates most of its prompt again; with it, the "
+        "replica restores the state the other replica published after its response, and evaluates only the new "
+        "tokens, as the replica that served the previous turn would.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one round")
+    parser.add_argument("--users", type=int, default=DEFAULT_USERS, help="users (odd: every later turn moves)")
+    parser.add_argument("--turns", type=int, default=DEFAULT_TURNS)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    parser.add_argument("--markdown", type=pathlib.Path, default=MARKDOWN_PATH)
+    parser.add_argument("--json", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else DEFAULT_ROUNDS)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle replicas must not spin on the 2 cores
+    from ckpt_plugin.default_model import default_model_path
+
+    model = str(default_model_path(progress=True))
+    requests = conversation(args.users, args.turns, count=token_counter(model))
+    chosen = [c for c in args.configs.split(",") if c]
+    outcomes = []
+    for round_index in range(rounds):
+        order = chosen[round_index % len(chosen):] + chosen[: round_index % len(chosen)]
+        for name in order:
+            print(f"{name} (round {round_index + 1}/{rounds}): {LABELS[name]}", file=sys.stderr, flush=True)
+            outcomes.append(run_config(name, model, requests, round_index, progress=True))
+    summary = summarize(outcomes)
+    command = ".venv/bin/python bench/shared_tier.py" + (" --quick" if args.quick else "") + "".join(
+        f" --{key} {value}" for key, value in (("users", args.users), ("turns", args.turns))
+        if value != {"users": DEFAULT_USERS, "turns": DEFAULT_TURNS}[key])
+    text = markdown(summary, args.users, args.turns, rounds, command)
+    args.markdown.write_text(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"summary": summary, "outcomes": [asdict(o) for o in outcomes]}, indent=1))
+    print(text)
+    for key, value in summary["ratios"].items():
+        print(f"{key}: {fmt_ratio(value)} (goal <= {GOALS[key]}x)")
+
+
+if __name__ == "__main__":
+    main()
