@@ -122,13 +122,22 @@ class Outcome:
     foreign_cores: float = 0.0
 
 
+TIMINGS = ("ckpt_shared_lookup_seconds", "ckpt_shared_fetch_seconds", "ckpt_restore_seconds")
+
+
 def shared_counters(url: str) -> dict[str, float]:
-    """``ckpt_shared_<name>_total`` counters of a replica (empty without a shared tier)."""
+    """``ckpt_shared_<name>_total`` counters of a replica (none without a shared tier), and the ``_sum`` and
+    ``_count`` of its latency histograms (lookup, fetch, restore)."""
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("ckpt_shared_") and "_total" in line:
-            name = line.split("{")[0][len("ckpt_shared_"):].removesuffix("_total")
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        name = line.split("{")[0].split(" ")[0]
+        if line.startswith("ckpt_shared_") and name.endswith("_total"):
+            key = name[len("ckpt_shared_"):].removesuffix("_total")
+        elif name.removesuffix("_sum").removesuffix("_count") in TIMINGS and name.endswith(("_sum", "_count")):
+            key = name
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -184,6 +193,10 @@ def run_config(name: str, model: str, requests: Sequence[Request], round_index: 
     return outcome
 
 
+def _milliseconds(value: float) -> str:
+    return "-" if value != value else f"{value * 1e3:.1f} ms"
+
+
 def _seconds(value: float) -> str:
     return "n/a" if value != value else f"{value:.3f} s"
 
@@ -205,7 +218,10 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         for o in runs:
             for key, value in o.shared.items():
                 totals[key] = totals.get(key, 0.0) + value
+        means = {metric.removeprefix("ckpt_").removesuffix("_seconds"):
+                 ratio(totals.get(f"{metric}_sum", 0.0), totals.get(f"{metric}_count", 0.0)) for metric in TIMINGS}
         by_config[name] = {
+            "mean_seconds": means,
             "ttft_later": _median([t.ttft for t in later]),
             "ttft_moved": _median([t.ttft for t in later if t.moved]),
             "ttft_unseen": _median([t.ttft for t in later if t.unseen]),
@@ -213,7 +229,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
             "cached_later": _median([float(t.cached_tokens or 0) for t in later]),
             "prompt_later": _median([float(t.prompt_tokens or 0) for t in later]),
             "n_requests": n_requests,
-            "per_request": {key: value / n_requests for key, value in totals.items()},
+            "per_request": {key: value / n_requests for key, value in totals.items() if not key.startswith("ckpt_")},
             "foreign_cores": _median([o.foreign_cores for o in runs]),
         }
     ratios = {}
@@ -253,6 +269,8 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
             f"{per.get('round_trips', 0):.2f} + {per.get('write_round_trips', 0):.2f}" if per else "-",
             f"{fmt_bytes(per.get('bytes_read', 0))} / {fmt_bytes(per.get('bytes_written', 0))}" if per else "-",
             f"{summary['same_answers'][name]}/{figures['n_requests']}",
+            " / ".join(_milliseconds(figures["mean_seconds"][key]) for key in ("shared_lookup", "shared_fetch",
+                                                                                 "restore")),
             f"{figures['foreign_cores']:.2f}",
         ])
     goal_rows = []
@@ -286,7 +304,7 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
                         "cached / prompt tokens, turns 2+ (median)",
                         "Redis round trips / request (request path + write-behind)",
                         "bytes read / written per request", "same answer as `one`",
-                        "other load (cores)"], rows),
+                        "mean lookup / fetch / restore", "other load (cores)"], rows),
         "",
         markdown_table(["ratio", "measured", "goal", ""], goal_rows),
         "",

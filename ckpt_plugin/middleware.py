@@ -24,6 +24,7 @@ restarted server starts warm.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Callable, Mapping
 
 from starlette.concurrency import run_in_threadpool
@@ -40,6 +41,8 @@ from .tenants import Tenants
 from .usage import UsageRewriter
 
 Validator = Callable[[dict[str, Any]], None]
+
+log = logging.getLogger("ckpt_plugin")
 
 
 class CheckpointMiddleware:
@@ -121,7 +124,10 @@ class CheckpointMiddleware:
     def _publish(self) -> None:
         for manager in unique_managers(self.managers()):
             if manager.store.shared is not None:
-                publish(manager)
+                try:
+                    publish(manager)
+                except Exception:  # the response is sent; the next turn merely misses the shared tier
+                    log.exception("offering the slot to the shared tier failed")
 
     def _check_completion_body(self, path: str, body: bytes) -> Any:
         try:

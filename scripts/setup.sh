@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 # The shared tier's tests start their own redis-server (Debian package redis-server).
 if ! command -v redis-server >/dev/null 2>&1; then
   apt-get update
-  apt-get install -y redis-server
+  DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server
 fi
 
 PYTHON="${PYTHON:-python3}"

@@ -22,7 +22,8 @@ class RedisServer:
     """One ``redis-server`` process (restartable on the same port, with the same options)."""
 
     def __init__(self, directory: pathlib.Path, options: dict[str, str]) -> None:
-        binary = shutil.which("redis-server")
+        # CKPT_TEST_REDIS_SERVER=valkey-server runs the same tests against Valkey.
+        binary = shutil.which(os.environ.get("CKPT_TEST_REDIS_SERVER", "redis-server"))
         if binary is None:
             pytest.fail("redis-server is not on PATH: run scripts/setup.sh (it installs the redis-server package)")
         self.binary = binary
