@@ -21,13 +21,14 @@ write-behind thread probes it every ``retry`` seconds, reconnecting by itself.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import time
 import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -61,6 +62,10 @@ MAX_CANDIDATES = 2
 """Manifests fetched per lookup: the deepest entries the index names, deepest first."""
 WRITE_TIMEOUT = 5.0
 """Seconds a write-behind command may block (a state of tens of MB takes a while on a slow link)."""
+WRITE_DELAY = 0.1
+"""Seconds a write waits at most for the next request's reads: the server ingesting a state of tens of MB delays
+every other command, so a write starts once the request that follows its response has done its lookup and fetch
+(or after this long, when none comes)."""
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _RECENT = 4096
 LINEAGE_MANIFESTS = 64
@@ -154,6 +159,38 @@ class DigestCache:
                 del self._by_digest[digest]
 
 
+class Reads:
+    """When the request path last talked to the server, so that writes wait for its reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._started = 0.0
+        self._ended = 0.0
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with self._lock:
+            self._in_flight += 1
+            self._started = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._ended = time.monotonic()
+
+    def wait_quiet(self, since: float, limit: float, quiet: float = 0.002) -> None:
+        """Wait until a read that started after ``since`` is over and ``quiet`` seconds passed without one, or
+        until ``since + limit``."""
+        while (now := time.monotonic()) < since + limit:
+            with self._lock:
+                done = self._started > since and not self._in_flight and now - self._ended >= quiet
+            if done:
+                return
+            time.sleep(quiet)
+
+
 def redacted(url: str) -> str:
     """``url`` without its credentials, for logs."""
     parts = urlsplit(url)
@@ -207,6 +244,7 @@ class SharedTier:
         self._recent: OrderedDict[str, float] = OrderedDict()
         self._lineage: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
         self._lock = threading.Lock()
+        self._reads = Reads()
         self._up = True
         self._published: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
         self._queue = WriteBehind(queue, idle=self._probe, idle_interval=retry, name="ckpt-shared-tier",
@@ -279,7 +317,8 @@ class SharedTier:
         started = time.perf_counter()
         self._count(lookups=1)
         try:
-            hits = self._lookup(partition, prompt, n_blocks, kind, limit, floor)
+            with self._reads.active():
+                hits = self._lookup(partition, prompt, n_blocks, kind, limit, floor)
         except self._errors as exc:
             self._failed("lookup", exc)
             return []
@@ -356,7 +395,8 @@ class SharedTier:
                 return None
             started = time.perf_counter()
             try:
-                return self._fetch(partition, manifest, reuse)
+                with self._reads.active():
+                    return self._fetch(partition, manifest, reuse)
             except self._errors as exc:
                 self._failed("fetch", exc)
             except Exception as exc:  # the shared tier never fails a request
@@ -434,8 +474,10 @@ class SharedTier:
             release()
             return False
         written = [False]
+        submitted = time.monotonic()
 
         def run() -> None:
+            self._reads.wait_quiet(submitted, WRITE_DELAY)
             written[0] = self._write(partition, entry_id, entry)
 
         def done() -> None:
