@@ -17,8 +17,9 @@ trips and bytes per request from the replicas' ``ckpt_shared_*`` counters. Goals
 within 1.5x of same-replica turns and at most 0.25x of moved turns without it; a single replica with the tier within
 5% of one without it.
 
-Run: ``.venv/bin/python bench/shared_tier.py`` (3 users x 4 turns, 2 rounds), ``--quick`` (1 round), ``--users``,
-``--turns``, ``--rounds``, ``--markdown PATH`` (default ``docs/bench-shared-tier.md``), ``--json PATH``.
+Run: ``.venv/bin/python bench/shared_tier.py`` (3 users x 4 turns, 3 rounds, about 13 minutes), ``--quick`` (1
+round), ``--users``, ``--turns``, ``--rounds``, ``--configs``, ``--markdown PATH`` (default
+``docs/bench-shared-tier.md``), ``--json PATH``; ``--render JSON`` writes the markdown of a saved run again.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from chat import N_BATCH, N_CTX, N_THREADS, Config, ForeignLoad, Request, _strea
 from chat import token_counter  # noqa: E402
 
 MARKDOWN_PATH = ROOT / "docs" / "bench-shared-tier.md"
-DEFAULT_USERS, DEFAULT_TURNS, DEFAULT_ROUNDS, MAX_TOKENS = 3, 4, 2, 16
+DEFAULT_USERS, DEFAULT_TURNS, DEFAULT_ROUNDS, MAX_TOKENS = 3, 4, 3, 16
 CONFIGS = ("shared", "local", "one", "one-shared", "one-shared-far")
 GOALS = {"moved_over_same": 1.5, "moved_over_local": 0.25, "unseen_over_local": 0.25, "one_shared_over_one": 1.05,
          "one_shared_far_over_one": 1.05}
@@ -227,6 +228,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         by_config[name] = {
             "mean_seconds": means,
             "ttft_later": _median([t.ttft for t in later]),
+            "ttft_later_per_round": [_median([t.ttft for t in o.turns if t.turn > 0]) for o in runs],
             "ttft_moved": _median([t.ttft for t in later if t.moved]),
             "ttft_unseen": _median([t.ttft for t in later if t.unseen]),
             "ttft_first": _median([t.ttft for o in runs for t in o.turns if t.turn == 0]),
@@ -267,7 +269,7 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
         per = figures["per_request"]
         rows.append([
             f"`{name}`: {LABELS[name]}",
-            f"{figures['ttft_later']:.3f} s",
+            f"{figures['ttft_later']:.3f} s ({', '.join(f'{v:.2f}' for v in figures['ttft_later_per_round'])})",
             _seconds(figures["ttft_moved"]),
             _seconds(figures["ttft_unseen"]),
             f"{figures['ttft_first']:.3f} s",
@@ -306,7 +308,7 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
         "",
         f"Command: `{command}`",
         "",
-        markdown_table(["configuration", "TTFT median, turns 2+", "... moved turns",
+        markdown_table(["configuration", "TTFT median, turns 2+ (per round)", "... moved turns",
                         "... moved to a replica new to the conversation", "TTFT median, first turns",
                         "cached / prompt tokens, turns 2+ (median)",
                         "Redis round trips / request (request path + write-behind)",
@@ -330,10 +332,28 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
             "",
         ]
     lines += [
-        "Without the shared tier a moved turn finds none of the conversation on its replica (only the state of the "
-        "user's turn before last, when the replica served it) and evaluates most of its prompt again; with it, the "
-        "replica restores the state the other replica published after its response, and evaluates only the new "
-        "tokens, as the replica that served the previous turn would.",
+        "How to read it:",
+        "",
+        "- Without the shared tier, a turn moved to a replica new to the conversation evaluates its whole prompt "
+        "(the first moved turn of each user: column 4); later moved turns find the user's turn before last on the "
+        "replica (with 2 replicas and round-robin, every other turn of a user lands on each), so they evaluate two "
+        "turns' worth of tokens instead of one. The moved-turn ratio over all turns 2+ (second row of the goals) "
+        "therefore mixes both cases; with more replicas, or any routing that does not bring a user back to a "
+        "replica every other turn, moved turns are of the first kind. With the shared tier both kinds restore the "
+        "previous turn's state and evaluate only the new tokens.",
+        "- A moved turn costs what a same-replica turn costs plus the fetch of the state (the full state and the one "
+        "checkpoint the plan restores, about 17 MB here) and its check: the mean lookup / fetch / restore column. "
+        "The fetch runs over loopback on a machine where 2 replicas, the redis-server and other work share 2 cores.",
+        "- The machine is shared: the last column is the CPU other processes used during the run, in cores of the 2 "
+        "there are, and the per-round medians show how much a figure moves between rounds. Ratios within about "
+        "0.2 of 1 are within that noise (a single replica with the tier cannot be faster than without it).",
+        "- `same answer as one`: Gemma-3 Q4_K_M's logits depend slightly on how a prompt is split into batches "
+        "(docs/correctness.md), and a replica that restores a different state splits differently; `local` differs "
+        "as often as `shared` does. On the tiny test models, every answer equals a fresh context's "
+        "(tests/test_shared_replicas.py).",
+        "- The single replica with the tier writes every turn's state (21 MB) after the response; with redis-server "
+        "on the same 2 cores, storing it takes CPU from the next request; at nice 19 (`one-shared-far`) the server "
+        "uses only idle CPU, as one on another machine costs the replica nothing but the send.",
         "",
     ]
     return "\n".join(lines)
@@ -348,7 +368,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     parser.add_argument("--markdown", type=pathlib.Path, default=MARKDOWN_PATH)
     parser.add_argument("--json", type=pathlib.Path)
+    parser.add_argument("--render", type=pathlib.Path, help="write the markdown of a run saved with --json again")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        saved = json.loads(args.render.read_text())
+        outcomes = [Outcome(o["config"], o["round"], [Turn(**t) for t in o["turns"]], o["shared"],
+                            o["foreign_cores"]) for o in saved["outcomes"]]
+        summary = summarize(outcomes)
+        args.markdown.write_text(markdown(summary, saved["users"], saved["turns"], saved["rounds"], saved["command"]))
+        _print_ratios(summary)
+        return
     rounds = args.rounds or (1 if args.quick else DEFAULT_ROUNDS)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle replicas must not spin on the 2 cores
     from ckpt_plugin.default_model import default_model_path
@@ -363,14 +392,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{name} (round {round_index + 1}/{rounds}): {LABELS[name]}", file=sys.stderr, flush=True)
             outcomes.append(run_config(name, model, requests, round_index, progress=True))
     summary = summarize(outcomes)
+    defaults = {"users": DEFAULT_USERS, "turns": DEFAULT_TURNS, "rounds": 1 if args.quick else DEFAULT_ROUNDS}
+    given = {"users": args.users, "turns": args.turns, "rounds": rounds}
     command = ".venv/bin/python bench/shared_tier.py" + (" --quick" if args.quick else "") + "".join(
-        f" --{key} {value}" for key, value in (("users", args.users), ("turns", args.turns))
-        if value != {"users": DEFAULT_USERS, "turns": DEFAULT_TURNS}[key])
+        f" --{key} {value}" for key, value in given.items() if value != defaults[key])
     text = markdown(summary, args.users, args.turns, rounds, command)
     args.markdown.write_text(text)
     if args.json is not None:
-        args.json.write_text(json.dumps({"summary": summary, "outcomes": [asdict(o) for o in outcomes]}, indent=1))
+        args.json.write_text(json.dumps({"users": args.users, "turns": args.turns, "rounds": rounds,
+                                         "command": command, "summary": summary,
+                                         "outcomes": [asdict(o) for o in outcomes]}, indent=1))
     print(text)
+    _print_ratios(summary)
+
+
+def _print_ratios(summary: dict[str, Any]) -> None:
     for key, value in summary["ratios"].items():
         print(f"{key}: {fmt_ratio(value)} (goal <= {GOALS[key]}x)")
 

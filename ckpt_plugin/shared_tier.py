@@ -10,8 +10,8 @@ Cost per request (see ``docs/shared-tier.md``):
   the local tiers hold, one ``MGET`` of the manifests of the (at most 2) deepest entries found;
 - fetch, only when the planner picks a shared entry: one ``MGET`` of the blobs it restores (the full state and the
   one checkpoint the plan uses), less those a live local buffer already holds;
-- write, after the response, on the write-behind thread: ``EXISTS`` of the blobs, ``SET`` of the missing ones,
-  ``SET`` of the manifest and the index keys (three pipelined round trips).
+- write, after the response, on the write-behind thread once the next request's reads are done: ``EXISTS`` of the
+  blobs, ``SET`` of the missing ones, ``SET`` of the manifest and the index keys (three pipelined round trips).
 
 It is never in the way: reads have a timeout, and any failure (unreachable, slow, full, garbage) is a warning, a
 counter and a miss, never an error for the request; while the server is unreachable no request touches it and the

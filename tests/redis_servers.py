@@ -52,7 +52,7 @@ class RedisServer:
             time.sleep(0.05)
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, password=self.options.get("requirepass"))
 
     def kill(self) -> None:
         """``SIGKILL``: the server vanishes with everything it held."""

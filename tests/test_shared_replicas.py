@@ -8,8 +8,11 @@ from __future__ import annotations
 import time
 from typing import Any, Iterator
 
+import httpx
 import openai
 import pytest
+
+from ckpt_plugin.persist import decode_entry
 
 from redis_servers import RedisServer, run_redis
 from servers import Server, model_args, run_server
@@ -204,3 +207,24 @@ def test_a_killed_restarted_hung_full_or_lying_server_never_costs_an_answer(frag
         chat(a, messages)
         answered(b, plain, messages)
     assert a.metric("shared_available") == b.metric("shared_available") == 1
+
+
+def test_the_draft_models_state_travels_with_the_conversation(tiny_model: Any, redis_server: RedisServer) -> None:
+    path = tiny_model("gemma3")
+    args = shared_args(path, redis_server.url, "draft", "--checkpoint-draft-model", str(path),
+                       "--checkpoint-admin", "true", "--checkpoint-admin-key", "operator")
+    with run_server(args) as a, run_server(args) as b, run_server(model_args(path), plain=True) as plain:
+        messages = conversation("draft")
+        first = served(a, messages)
+        messages += [{"role": "assistant", "content": content(first)}, {"role": "user", "content": USERS[1]}]
+        moved = chat(b, messages)
+        assert content(moved) == content(chat(plain, messages))
+        assert cached(moved) >= first.usage.prompt_tokens - 1
+        stats = next(iter(httpx.get(f"{b.url}/checkpoints/stats", headers={"Authorization": "Bearer operator"},
+                                    timeout=30).json()["models"].values()))
+        assert stats["draft_dropped"] == 0 and stats["shared"]["hits"] == 1
+    # every record of the stored entries names its draft state
+    client = redis_server.client()
+    for key in redis_server.keys("draft:*:e:*"):
+        entry = decode_entry(client.get(key), blob_refs=True)
+        assert all(record.draft is not None for record in (entry.state, *entry.checkpoints))

@@ -205,3 +205,15 @@ def test_the_url_comes_from_flags_the_file_or_the_environment(tmp_path: Path, mo
     for settings in (flags, from_file, from_env):
         assert settings.redis_url.get_secret_value() == url and settings.redis_ttl == 600
         assert "secret" not in repr(settings)
+
+
+def test_passwords_are_taken_as_redis_py_takes_them(tmp_path: Path) -> None:
+    with run_redis(tmp_path, requirepass="s3cret") as locked:
+        url = f"redis://:s3cret@127.0.0.1:{locked.port}/0"
+        a, b = replica(url, prefix="auth"), replica(url, prefix="auth")
+        run_prompt(a, PROMPT, 2)
+        published(a)
+        assert continue_on(b, PROMPT + [7, 8]) > 150
+        wrong = replica(f"redis://:wrong@127.0.0.1:{locked.port}/0", prefix="auth")
+        assert continue_on(wrong, PROMPT + [7, 8]) == 0
+        assert not wrong.store.shared.available and "wrong" not in wrong.store.shared.url
