@@ -79,7 +79,9 @@ class CheckpointSettings(BaseSettings):
     default.
     """
 
-    model_config = SettingsConfigDict(env_prefix="CKPT_", extra="forbid", validate_assignment=True)
+    # Inputs stay out of error messages: redis_url and admin_key are secrets.
+    model_config = SettingsConfigDict(env_prefix="CKPT_", extra="forbid", validate_assignment=True,
+                                      hide_input_in_errors=True)
 
     max_checkpoints: int = Field(32, ge=0, description="Checkpoints kept per slot (llama.cpp: n_ctx_checkpoints).")
     checkpoint_min_step: int | None = Field(

@@ -188,6 +188,11 @@ def test_a_bad_url_exits_2_with_a_message_that_keeps_the_password(url: str, caps
         main(["--model", "x.gguf", "--checkpoint-redis-url", url])
     message = capsys.readouterr().err
     assert exited.value.code == 2 and "redis_url" in message and "secret" not in message, message
+    from ckpt_plugin.config import CheckpointSettings
+
+    with pytest.raises(ValueError) as refused:  # from the library too
+        CheckpointSettings(redis_url=url)
+    assert "secret" not in str(refused.value)
 
 
 def test_the_url_comes_from_flags_the_file_or_the_environment(tmp_path: Path, monkeypatch: Any) -> None:
