@@ -48,7 +48,9 @@ class RedisServer:
             except redis.ConnectionError:
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start (exit {self.process.poll()})")
+                self.process.kill()  # never leave a half-started server behind
+                self.process.wait()
+                raise RuntimeError(f"redis-server did not start (exit {self.process.returncode})")
             time.sleep(0.05)
 
     def client(self) -> redis.Redis:
