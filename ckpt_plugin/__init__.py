@@ -31,10 +31,11 @@ from .errors import (
     UnsafePathError,
     UnsupportedHostError,
 )
-from .persist import read_entry, safe_path, write_entry
+from .persist import decode_entry, encode_entry, read_entry, safe_path, write_entry
 from .hooks import PROJECT_NAME, hookimpl, hookspec
 from .manager import Backend, CheckpointManager, Counters, Slot
 from .policy import CheckpointRules, MemoryKind
+from .shared_tier import SharedTier, publish
 
 __version__ = "0.1.0"
 
@@ -86,9 +87,13 @@ __all__ = [
     "NgramDraft",
     "NgramStatePlugin",
     "ServeSettings",
+    "SharedTier",
     "StateBufferPool",
     "UnsafePathError",
     "enable_speculative",
+    "decode_entry",
+    "encode_entry",
+    "publish",
     "read_entry",
     "safe_path",
     "write_entry",

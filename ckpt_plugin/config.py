@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -36,6 +38,40 @@ def parse_size(value: int | str) -> int:
     return int(float(number) * _UNITS[unit])
 
 
+def check_redis_url(url: str) -> None:
+    """Refuse a shared-tier URL redis-py would not take (the message never repeats the URL: it may hold a password).
+
+    :raises ValueError: Saying what is wrong.
+    """
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError("redis_url is not a URL (bad port or brackets)") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, not {parts.scheme or 'nothing'}")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError("redis_url unix:// needs the socket's path")
+    else:
+        if not parts.hostname:
+            raise ValueError("redis_url needs a host (redis://host:port/db)")
+        if port == 0:
+            raise ValueError("redis_url has port 0")
+        if parts.path not in ("", "/") and not re.fullmatch(r"/\d+", parts.path):
+            raise ValueError("redis_url's path must be a database number (redis://host:port/0)")
+    try:
+        import xxhash  # noqa: F401
+        from redis.connection import parse_url
+    except ImportError:
+        raise ValueError("redis_url needs redis-py and xxhash: pip install 'ckpt_plugin[redis]'") from None
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        problem = str(exc) if url not in str(exc) else "malformed"
+        raise ValueError(f"redis_url is refused by redis-py: {problem}") from None
+
+
 class CheckpointSettings(BaseSettings):
     """What a :class:`~ckpt_plugin.manager.CheckpointManager` does and how much memory it may use.
 
@@ -43,7 +79,9 @@ class CheckpointSettings(BaseSettings):
     default.
     """
 
-    model_config = SettingsConfigDict(env_prefix="CKPT_", extra="forbid", validate_assignment=True)
+    # Inputs stay out of error messages: redis_url and admin_key are secrets.
+    model_config = SettingsConfigDict(env_prefix="CKPT_", extra="forbid", validate_assignment=True,
+                                      hide_input_in_errors=True)
 
     max_checkpoints: int = Field(32, ge=0, description="Checkpoints kept per slot (llama.cpp: n_ctx_checkpoints).")
     checkpoint_min_step: int | None = Field(
@@ -69,12 +107,35 @@ class CheckpointSettings(BaseSettings):
         None, description="Directory of the prompt cache's disk tier (entries survive restarts); None for RAM only."
     )
     disk_max_bytes: int = Field(10 << 30, ge=0, description="Byte budget of the disk tier.")
+    redis_url: SecretStr | None = Field(
+        None,
+        description="Redis or Valkey server of the shared tier (redis://[:password@]host:port/db, rediss:// for "
+        "TLS, unix://path): replicas pointing at one server resume each other's conversations; None for none.",
+    )
+    redis_prefix: str = Field("ckpt", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                              description="First part of the shared tier's keys (deployments sharing a server).")
+    redis_ttl: int | None = Field(
+        None, ge=1, description="Seconds the shared tier's keys live after their last write; None leaves eviction "
+        "to the server's maxmemory policy (allkeys-lru).",
+    )
+    redis_timeout: float = Field(0.5, gt=0, le=60, description="Seconds a shared-tier read or connection may take.")
+    redis_queue: int = Field(8, ge=0, description="Entries waiting to be written to the shared tier at most; more "
+                             "are dropped (counted).")
+    redis_retry: float = Field(2.0, gt=0, le=3600,
+                               description="Seconds between probes of an unreachable shared-tier server.")
     load_entrypoints: bool = Field(True, description="Load plugins from the 'ckpt_plugin' entry-point group.")
 
     @field_validator("cache_max_bytes", "disk_max_bytes", mode="before")
     @classmethod
     def _size(cls, value: int | str) -> int:
         return parse_size(value)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            check_redis_url(value.get_secret_value())
+        return value
 
     @field_validator("cache_max_bytes")
     @classmethod

@@ -38,6 +38,7 @@ from .policy import (
     slot_checkpoint_limit,
 )
 from .request import current_request
+from .shared_tier import SharedTier, shared_tier_for
 from .slot import Backend, Slot
 from .slot_files import erase_slot, restore_slot, save_slot
 from .stats import Counters, describe, manager_stats
@@ -57,6 +58,7 @@ class CheckpointManager:
     :param settings: Settings; keyword overrides are applied on top.
     :param cache: A prompt cache to share with other managers of the same model; a private one by default.
     :param disk: A disk tier to share likewise; by default one in ``settings.disk_dir`` if that is set.
+    :param shared: A shared tier (Redis); by default the process's one for ``settings.redis_url`` if that is set.
     :ivar lock: Held by the host-facing layer while a request uses the slot, and by the slot file operations.
     """
 
@@ -66,6 +68,7 @@ class CheckpointManager:
         settings: CheckpointSettings | None = None,
         cache: PromptCache | None = None,
         disk: DiskTier | None = None,
+        shared: SharedTier | None = None,
         **overrides: Any,
     ) -> None:
         base = settings.model_dump() if settings is not None else {}
@@ -79,7 +82,7 @@ class CheckpointManager:
             cache = PromptCache(self.settings.cache_max_bytes, self.settings.cache_max_tokens)
         if disk is None and self.settings.disk_dir is not None:
             disk = DiskTier(self.settings.disk_dir, self.settings.disk_max_bytes)
-        self.store = TieredStore(cache, disk, self)
+        self.store = TieredStore(cache, disk, self, shared or shared_tier_for(self.settings))
         self.lock = threading.Lock()
         self.slot = Slot(0, backend.n_ctx)
         self.slot.namespace = self.settings.namespace
@@ -365,7 +368,7 @@ class CheckpointManager:
         """
         slot = self.slot
         live = LiveMemory(slot.lineage, slot.n_tokens, int(self.backend.pos_min()), slot.checkpoints)
-        hits = self.store.lookup(slot.namespace, self.fingerprint, prompt)
+        hits = self.store.lookup(slot.namespace, self.fingerprint, prompt, self.kind, max_keep)
         return plan_prompt(self.kind, prompt, live, hits, self.settings.cache_min_discard,
                            self.settings.cache_min_tokens, max_keep)
 
@@ -387,8 +390,9 @@ class CheckpointManager:
         just_loaded = self._loaded_from_cache == slot.version
         plan = self.plan(prompt, max_keep)
         if plan.entry is not None and plan.tier != "ram":
-            self.counters.disk_hits += 1
-            self.store.promote(plan.entry)
+            if plan.tier == "disk":
+                self.counters.disk_hits += 1
+            self.store.promote(plan.entry, plan.tier)
         if plan.park_live:
             self.save_to_cache()
         entry, n_keep = plan.entry, plan.n_keep

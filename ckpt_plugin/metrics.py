@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .hooks import hookimpl
 from .manager import CheckpointManager
@@ -31,6 +31,25 @@ COUNTERS = {
     "capture_failures": "State captures that failed (no checkpoint taken)",
     "bytes_copied": "State bytes copied by llama.cpp get/set calls",
     "disk_hits": "Prompts served from a disk-tier entry",
+}
+SHARED_COUNTERS = {
+    "hits": "Prompts served from a shared-tier entry",
+    "misses": "Shared-tier lookups that found no stored prefix of the prompt",
+    "lookups": "Shared-tier lookups (prompts whose prefix the local tiers could not fully serve)",
+    "errors": "Shared-tier commands that failed (unreachable, timed out, refused)",
+    "corrupt": "Shared-tier values that failed validation (dropped)",
+    "incomplete": "Shared-tier entries whose blobs the server had evicted",
+    "bytes_read": "Bytes read from the shared tier",
+    "bytes_written": "Bytes written to the shared tier",
+    "writes": "Entries written to the shared tier",
+    "write_errors": "Shared-tier writes that failed",
+    "write_drops": "Entries not written to the shared tier: queue full or server unavailable",
+    "round_trips": "Round trips to the shared-tier server on the request path (lookups and fetches)",
+    "write_round_trips": "Round trips to the shared-tier server of the write-behind thread",
+}
+SHARED_GAUGES = {
+    "queue_depth": "Entries waiting to be written to the shared tier",
+    "available": "1 while the shared-tier server answers, 0 while it is probed",
 }
 GAUGES = {
     "resident_bytes": "Bytes of unique state buffers held by slots and the cache",
@@ -67,6 +86,34 @@ class ManagerCollector:
             yield family
 
 
+class SharedTierCollector:
+    """Collects the counters, gauges and latencies of the shared tiers of the managers ``managers()`` returns,
+    labelled by server (its URL without credentials)."""
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+        self._managers = managers
+
+    def collect(self) -> Iterator[Metric]:
+        tiers = {id(m.store.shared): m.store.shared for m in self._managers().values() if m.store.shared is not None}
+        stats = [tier.stats() for tier in tiers.values()]
+        if not stats:
+            return
+        scalars = [(CounterMetricFamily, SHARED_COUNTERS.items()), (GaugeMetricFamily, SHARED_GAUGES.items())]
+        for family_type, names in scalars:
+            for name, doc in names:
+                family = family_type(f"ckpt_shared_{name}", doc, labels=["server"])
+                for values in stats:
+                    family.add_metric([values["url"]], float(values[name]))
+                yield family
+        for name, doc in (("lookup_seconds", "Time of a shared-tier lookup (index and manifests)"),
+                          ("fetch_seconds", "Time to fetch and check the blobs of a shared-tier entry")):
+            family = HistogramMetricFamily(f"ckpt_shared_{name}", doc, labels=["server"])
+            for values in stats:
+                buckets, total = values[name]
+                family.add_metric([values["url"]], buckets, total)
+            yield family
+
+
 class RestoreLatency:
     """A plugin recording restore latency into a histogram."""
 
@@ -88,6 +135,7 @@ class Metrics:
     def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(ManagerCollector(managers))
+        self.registry.register(SharedTierCollector(managers))
         self.restore_seconds = Histogram(
             "ckpt_restore_seconds", "Time to restore a checkpoint or cache entry", ["model"],
             registry=self.registry, buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),

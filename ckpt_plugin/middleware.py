@@ -13,7 +13,9 @@ It is a thin composition of one-job pieces:
   (401), and each request gets the namespace the server derives for it;
 - completion requests (``POST .../completions``) must carry a JSON object (400 otherwise) that passes the optional
   ``validators`` (422): the model is never reached with a body it cannot parse;
-- :class:`~ckpt_plugin.usage.UsageRewriter`: ``usage.prompt_tokens_details.cached_tokens`` on their responses.
+- :class:`~ckpt_plugin.usage.UsageRewriter`: ``usage.prompt_tokens_details.cached_tokens`` on their responses;
+- with a shared tier, once a completion's response is sent, the live slot is offered to it
+  (:func:`~ckpt_plugin.shared_tier.publish`), so the conversation's next turn can land on any replica.
 
 At ASGI lifespan shutdown, every manager's live slot is put into its cache (and disk tier, if configured), so a
 restarted server starts warm.
@@ -22,6 +24,7 @@ restarted server starts warm.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Callable, Mapping
 
 from starlette.concurrency import run_in_threadpool
@@ -33,10 +36,13 @@ from .config import ServeSettings
 from .metrics import Metrics
 from .request import RequestScope, current_request
 from .routes import CheckpointRoutes, Managers, unique_managers
+from .shared_tier import publish
 from .tenants import Tenants
 from .usage import UsageRewriter
 
 Validator = Callable[[dict[str, Any]], None]
+
+log = logging.getLogger("ckpt_plugin")
 
 
 class CheckpointMiddleware:
@@ -113,6 +119,15 @@ class CheckpointMiddleware:
             await problem(scope, receive, send)
             return
         await UsageRewriter(self.app, request_scope, body)(scope, _replay(body, receive), send)
+        await run_in_threadpool(self._publish)
+
+    def _publish(self) -> None:
+        for manager in unique_managers(self.managers()):
+            if manager.store.shared is not None:
+                try:
+                    publish(manager)
+                except Exception:  # the response is sent; the next turn merely misses the shared tier
+                    log.exception("offering the slot to the shared tier failed")
 
     def _check_completion_body(self, path: str, body: bytes) -> Any:
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import mmap
 import os
 import re
@@ -46,8 +47,11 @@ __all__ = [
     "MAX_RECORDS",
     "CorruptFileError",
     "EntryHeader",
+    "FILE_BLOB_REFS",
     "UnsafePathError",
     "iter_entry_files",
+    "decode_entry",
+    "encode_entry",
     "read_entry",
     "read_header",
     "remove_stale_temp_files",
@@ -61,7 +65,8 @@ END_MAGIC = b"CKPT_END"
 """Last 8 bytes of every completely written file."""
 FORMAT_VERSION = (1, 0)
 """(major, minor) written by this module. Readers refuse another major version; minor versions only add optional
-file flags (bits 16-31), which older readers ignore."""
+file flags (bits 16-31), which older readers ignore. Required flags (bits 0-15) mark data a reader must not take
+for an ordinary file; a reader refuses every one it does not know."""
 ALIGNMENT = 64
 """Tokens, records and blob payloads start at multiples of this offset (and so of the mapping's address)."""
 MAX_TEXT_BYTES = 4096
@@ -86,7 +91,10 @@ _TRAILER = struct.Struct(f"<Q{DIGEST_SIZE}s8s")
 assert _RECORD.size == ALIGNMENT
 
 FILE_FLAGS_REQUIRED = 0x0000FFFF
-"""File flag bits a reader must understand (none are defined in 1.x: all must be clear)."""
+"""File flag bits a reader must understand."""
+FILE_BLOB_REFS = 1 << 0
+"""Required file flag: every blob payload is a reference to state bytes stored elsewhere, not the bytes (the
+shared tier's manifests); only :func:`decode_entry` with ``blob_refs=True`` reads such data."""
 REC_PARTIAL = 1 << 0
 REC_TARGET = 1 << 1
 REC_DRAFT = 1 << 2
@@ -220,6 +228,41 @@ def write_entry(path: str | os.PathLike[str], entry: CacheEntry, *, model_finger
     :raises OSError: Writing failed; nothing was replaced and the temporary file was removed.
     """
     path = Path(path)
+    # Validate every record before creating any file.
+    parts = _entry_parts(entry, model_fingerprint, 0)
+    directory = path.parent
+    temp = tempfile.NamedTemporaryFile(dir=directory, prefix=TEMP_PREFIX, suffix=".tmp", delete=False, buffering=0)
+    try:
+        with temp as file:
+            written = _emit_parts(file, parts)
+            file.flush()  # unbuffered: a no-op today, kept so a buffered file would still be complete before fsync
+            os.fsync(file.fileno())
+        os.replace(temp.name, path)
+    except BaseException:
+        try:
+            os.unlink(temp.name)
+        except OSError:
+            pass
+        raise
+    _fsync_directory(directory)
+    return written
+
+
+def encode_entry(entry: CacheEntry, *, model_fingerprint: str, blob_refs: bool = False) -> bytes:
+    """``entry`` in the file format, as bytes (what :func:`write_entry` would write).
+
+    :param blob_refs: Set :data:`FILE_BLOB_REFS`: the entry's blobs are references to state bytes stored elsewhere
+        (the shared tier's manifests, see :mod:`ckpt_plugin.shared_format`), not the state bytes themselves.
+    :raises IncompatibleStateError: A state of the entry belongs to another fingerprint.
+    :raises ValueError: The entry cannot be represented.
+    """
+    out = io.BytesIO()
+    _emit_parts(out, _entry_parts(entry, model_fingerprint, FILE_BLOB_REFS if blob_refs else 0))
+    return out.getvalue()
+
+
+def _entry_parts(entry: CacheEntry, model_fingerprint: str, file_flags: int) -> list[bytes | memoryview]:
+    """Everything before the trailer, in order, after validating the whole entry (state bytes as views)."""
     records: list[Checkpoint] = [entry.state, *entry.checkpoints]
     for record in records:
         if record.fingerprint != model_fingerprint:
@@ -235,7 +278,6 @@ def write_entry(path: str | os.PathLike[str], entry: CacheEntry, *, model_finger
     fingerprint = _encode_text("fingerprint", model_fingerprint)
     namespace = _encode_text("namespace", entry.namespace)
 
-    # Validate every record before creating any file.
     encoded: list[tuple[bytes, list[memoryview]]] = []
     for index, record in enumerate(records):
         if not 0 <= record.n_tokens <= n_tokens:
@@ -257,41 +299,28 @@ def write_entry(path: str | os.PathLike[str], entry: CacheEntry, *, model_finger
         encoded.append((head, views))
 
     major, minor = FORMAT_VERSION
-    prefix = bytearray(_FIXED.pack(MAGIC, major, minor, 0, len(records), len(fingerprint)))
+    prefix = bytearray(_FIXED.pack(MAGIC, major, minor, file_flags, len(records), len(fingerprint)))
     prefix += fingerprint + _U32.pack(len(namespace)) + namespace + _U64.pack(n_tokens)
     prefix += bytes(_pad(len(prefix)))
     token_view = memoryview(tokens).cast("B")
     header_digest = hashlib.blake2b(prefix, digest_size=DIGEST_SIZE)
     header_digest.update(token_view)
     header_end = len(prefix) + token_view.nbytes + DIGEST_SIZE
+    parts: list[bytes | memoryview] = [prefix, token_view, header_digest.digest(), _ZEROS[: _pad(header_end)]]
+    for head, views in encoded:
+        parts.append(head)
+        for view in views:
+            parts += [view, _ZEROS[: _pad(view.nbytes)]]
+    return parts
 
-    directory = path.parent
+
+def _emit_parts(file: BinaryIO, parts: list[bytes | memoryview]) -> int:
+    """Write ``parts`` and the trailer (the digest of everything before it); return the bytes written."""
     whole = hashlib.blake2b(digest_size=DIGEST_SIZE)
-    hashers = (whole,)
-    temp = tempfile.NamedTemporaryFile(dir=directory, prefix=TEMP_PREFIX, suffix=".tmp", delete=False, buffering=0)
-    try:
-        with temp as file:
-            written = _emit(file, hashers, prefix)
-            written += _emit(file, hashers, token_view)
-            written += _emit(file, hashers, header_digest.digest())
-            written += _emit(file, hashers, _ZEROS[: _pad(header_end)])
-            for head, views in encoded:
-                written += _emit(file, hashers, head)
-                for view in views:
-                    written += _emit(file, hashers, view)
-                    written += _emit(file, hashers, _ZEROS[: _pad(view.nbytes)])
-            written += _emit(file, (), _TRAILER.pack(written, whole.digest(), END_MAGIC))
-            file.flush()  # unbuffered: a no-op today, kept so a buffered file would still be complete before fsync
-            os.fsync(file.fileno())
-        os.replace(temp.name, path)
-    except BaseException:
-        try:
-            os.unlink(temp.name)
-        except OSError:
-            pass
-        raise
-    _fsync_directory(directory)
-    return written
+    written = 0
+    for part in parts:
+        written += _emit(file, (whole,), part)
+    return written + _emit(file, (), _TRAILER.pack(written, whole.digest(), END_MAGIC))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -372,6 +401,7 @@ class _FileSource(_Source):
 @dataclass
 class _Header:
     version: tuple[int, int]
+    flags: int
     n_records: int
     fingerprint: str
     namespace: str
@@ -396,8 +426,11 @@ def _check_zero(source: _Source, offset: int, n: int, limit: int, what: str) -> 
             raise source.fail(f"{what} is not zero", offset + next(i for i, b in enumerate(data) if b))
 
 
-def _parse_header(source: _Source) -> _Header:
-    """Parse and verify everything up to the first record, and the trailer's framing (not its digest)."""
+def _parse_header(source: _Source, known_flags: int = 0) -> _Header:
+    """Parse and verify everything up to the first record, and the trailer's framing (not its digest).
+
+    :param known_flags: Required file flags the caller reads (any other required flag is refused).
+    """
     size = source.size
     if size >= len(MAGIC) and source.read(0, len(MAGIC)) != MAGIC:
         raise source.fail("not a slot file (bad magic)", 0)
@@ -409,8 +442,8 @@ def _parse_header(source: _Source) -> _Header:
         raise source.fail(
             f"unsupported format version {major}.{minor} (this reader reads {FORMAT_VERSION[0]}.x)", 8
         )
-    if flags & FILE_FLAGS_REQUIRED:
-        raise source.fail(f"unknown required file flags {flags & FILE_FLAGS_REQUIRED:#06x}", 12)
+    if flags & FILE_FLAGS_REQUIRED & ~known_flags:
+        raise source.fail(f"unknown required file flags {flags & FILE_FLAGS_REQUIRED & ~known_flags:#06x}", 12)
     body_end = size - _TRAILER.size
     trailer_offset, _, end_magic = source.unpack(_TRAILER, body_end, size, "trailer")
     if end_magic != END_MAGIC:
@@ -451,7 +484,7 @@ def _parse_header(source: _Source) -> _Header:
     offset += DIGEST_SIZE
     _check_zero(source, offset, _pad(offset), body_end, "header padding")
     offset += _pad(offset)
-    return _Header((major, minor), n_records, fingerprint, namespace, n_tokens, tokens_offset, offset, body_end)
+    return _Header((major, minor), flags, n_records, fingerprint, namespace, n_tokens, tokens_offset, offset, body_end)
 
 
 def _check_fingerprint(path: str | os.PathLike[str], found: str, expected: str | None) -> None:
@@ -545,18 +578,46 @@ def read_entry(path: str | os.PathLike[str], *, expected_fingerprint: str | None
     finally:
         os.close(fd)
     try:
-        source = _MappedSource(path, mapping)
-        header = _parse_header(source)
-        _check_fingerprint(path, header.fingerprint, expected_fingerprint)
-        records = _parse_records(source, header)
-        stored = source.unpack(_TRAILER, header.body_end, size, "trailer")[1]
-        if source.hash(0, header.body_end) != stored:
-            raise source.fail("digest mismatch (the file is corrupted)", header.body_end + 8)
+        header, records = _validate(_MappedSource(path, mapping), expected_fingerprint, 0)
     except BaseException:
         mapping.close()
         raise
-    # Validated: from here on, only views into the mapping are made.
-    whole = np.frombuffer(mapping, dtype=np.uint8)
+    return _entry_of(np.frombuffer(mapping, dtype=np.uint8), header, records)
+
+
+def decode_entry(data: bytes, *, expected_fingerprint: str | None = None, blob_refs: bool = False,
+                 label: str = "<bytes>") -> CacheEntry:
+    """The entry that :func:`encode_entry` encoded into ``data``, validated as :func:`read_entry` validates a file;
+    its buffers are read-only views into ``data`` (nothing is copied).
+
+    :param blob_refs: The data must carry :data:`FILE_BLOB_REFS` (its blobs are references); without it such data
+        is refused.
+    :param label: Names the data in error messages (e.g. the key it was read from).
+    :raises CorruptFileError: The data is malformed.
+    :raises IncompatibleStateError: Its fingerprint is not ``expected_fingerprint``.
+    """
+    source = _MappedSource(label, data)
+    header, records = _validate(source, expected_fingerprint, FILE_BLOB_REFS if blob_refs else 0)
+    if blob_refs and not header.flags & FILE_BLOB_REFS:
+        raise source.fail("blob references expected, found state bytes", 12)
+    whole = np.frombuffer(data, dtype=np.uint8)
+    whole.flags.writeable = False  # a bytearray would give writable views; states are shared read-only
+    return _entry_of(whole, header, records)
+
+
+def _validate(source: _Source, expected_fingerprint: str | None, known_flags: int) -> tuple[_Header, list[_Record]]:
+    """Parse and verify everything: header, fingerprint, records and the digest of the whole."""
+    header = _parse_header(source, known_flags)
+    _check_fingerprint(source.path, header.fingerprint, expected_fingerprint)
+    records = _parse_records(source, header)
+    stored = source.unpack(_TRAILER, header.body_end, source.size, "trailer")[1]
+    if source.hash(0, header.body_end) != stored:
+        raise source.fail("digest mismatch (the file is corrupted)", header.body_end + 8)
+    return header, records
+
+
+def _entry_of(whole: np.ndarray, header: _Header, records: list[_Record]) -> CacheEntry:
+    """The entry of validated bytes ``whole``: only views into it are made."""
     tokens = whole[header.tokens_offset : header.tokens_offset + header.n_tokens * _TOKEN_DTYPE.itemsize].view(
         _TOKEN_DTYPE
     )

@@ -53,9 +53,10 @@ class DraftModel(LlamaDraftModel):
             raise IncompatibleStateError("the draft model's vocabulary differs from the target's")
         self.llama = draft
         self.n_draft = n_draft
-        # The target's checkpoints and cache entries carry the draft state: the draft keeps no cache of its own.
+        # The target's checkpoints and cache entries carry the draft state: the draft keeps no cache of its own,
+        # nor a shared tier (CKPT_REDIS_URL in the environment is the target's).
         self.manager: CheckpointManager = attach(
-            draft, load_entrypoints=False, checkpoint_min_step=1 << 30, cache_max_bytes=0
+            draft, load_entrypoints=False, checkpoint_min_step=1 << 30, cache_max_bytes=0, redis_url=None
         )
         self.drafted = 0
         self.accepted = 0

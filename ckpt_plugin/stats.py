@@ -76,6 +76,7 @@ def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
         memory_kind=manager.kind.name,
         disk_entries=len(manager.disk) if manager.disk is not None else 0,
         disk_bytes=manager.disk.resident_bytes if manager.disk is not None else 0,
+        shared=manager.store.shared.stats() if manager.store.shared is not None else None,
     )
     return out
 

@@ -8,14 +8,17 @@ object over them, with its own events.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 
 from .cache import CacheEntry, PromptCache
 from .checkpoint import StateBuffer
 from .disk_tier import DiskRecord, DiskTier
-from .policy import Hit
+from .policy import Hit, MemoryKind
+
+if TYPE_CHECKING:
+    from .shared_tier import SharedTier
 
 
 class StoreEvents(Protocol):
@@ -35,26 +38,39 @@ class StoreEvents(Protocol):
 
 
 class TieredStore:
-    """RAM (a :class:`~ckpt_plugin.cache.PromptCache`) and an optional :class:`~ckpt_plugin.disk_tier.DiskTier`.
+    """RAM (a :class:`~ckpt_plugin.cache.PromptCache`), an optional :class:`~ckpt_plugin.disk_tier.DiskTier` and an
+    optional :class:`~ckpt_plugin.shared_tier.SharedTier`.
 
     :param ram: The RAM tier, which holds the byte budget of every state byte (see ``PromptCache.pin``).
     :param disk: The disk tier, written through on admission and read back by mapping files.
     :param events: The owner's admission, victim selection and eviction callbacks.
+    :param shared: The shared tier (Redis), written behind on admission and on :meth:`publish`.
     """
 
-    def __init__(self, ram: PromptCache, disk: DiskTier | None, events: StoreEvents) -> None:
+    def __init__(self, ram: PromptCache, disk: DiskTier | None, events: StoreEvents,
+                 shared: SharedTier | None = None) -> None:
         self.ram = ram
         self.disk = disk
         self.events = events
+        self.shared = shared
 
-    def lookup(self, namespace: str, fingerprint: str, prompt: np.ndarray) -> list[Hit[CacheEntry]]:
-        """Candidates for ``prompt`` in every tier, RAM first; nothing is fetched (mapped) until a hit's ``fetch``."""
+    def lookup(self, namespace: str, fingerprint: str, prompt: np.ndarray, kind: MemoryKind | None = None,
+               max_keep: int | None = None) -> list[Hit[CacheEntry]]:
+        """Candidates for ``prompt`` in every tier, RAM first; nothing is fetched (mapped) until a hit's ``fetch``.
+
+        The shared tier is asked only with the memory ``kind`` (its fetch brings only what a plan of that kind
+        restores), and only for prefixes longer than the local tiers hold (``max_keep`` as for the planner).
+        """
         ram = self.ram.lookup(namespace, fingerprint, prompt)
         hits = [Hit("ram", n_common, _fixed(entry)) for entry, n_common in ram]
         if self.disk is not None:
             disk = self.disk
             hits += [Hit("disk", n_common, _mapper(disk, record))
                      for record, n_common in disk.lookup(namespace, fingerprint, prompt)]
+        if self.shared is not None and kind is not None:
+            limit = max(len(prompt) - 1, 0) if max_keep is None else max(0, min(len(prompt) - 1, max_keep))
+            local = min(max((hit.n_common for hit in hits), default=0), limit)
+            hits += self.shared.lookup(namespace, fingerprint, prompt, kind, limit, local)
         return hits
 
     def admit(self, entry: CacheEntry, write_through: bool = True) -> bool:
@@ -69,12 +85,24 @@ class TieredStore:
             self.events.admitted(entry)
         if self.disk is not None and write_through:
             admitted = self.disk.store(entry) or admitted
+        if write_through:
+            self.publish(entry)
         return admitted
 
-    def promote(self, entry: CacheEntry) -> bool:
+    def promote(self, entry: CacheEntry, tier: str = "disk") -> bool:
         """Bring an entry fetched from a lower tier into RAM, through the same admission as any entry (its mapped
         pages are its buffers: nothing is copied)."""
+        if tier == "shared" and self.shared is not None:
+            self.shared.count_hit()
         return self.admit(entry, write_through=False)
+
+    def publish(self, entry: CacheEntry) -> bool:
+        """Queue ``entry`` for the shared tier; its buffers count against the budget until written (pinned)."""
+        if self.shared is None:
+            return False
+        ticket = _Queued()
+        self.pin(ticket, list(entry.buffers()))
+        return self.shared.submit(entry, lambda: self.ram.pin(ticket, ()))
 
     def touch(self, entry: CacheEntry) -> None:
         """Mark ``entry`` as just used."""
@@ -103,6 +131,10 @@ class TieredStore:
     def _report(self, removed: list[tuple[CacheEntry, str]]) -> None:
         for entry, reason in removed:
             self.events.evicted(entry, reason)
+
+
+class _Queued:
+    """Holds the pin of an entry waiting for the shared tier's write-behind thread."""
 
 
 def _fixed(entry: CacheEntry) -> Callable[[], CacheEntry]:

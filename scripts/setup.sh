@@ -3,6 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The shared tier's tests start their own redis-server (Debian package redis-server).
+if ! command -v redis-server >/dev/null 2>&1; then
+  apt-get update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server
+fi
+
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv

@@ -39,6 +39,12 @@ CHECKPOINT_FLAGS: dict[str, str] = {
     "--checkpoint-entrypoints": "load_entrypoints",
     "--checkpoint-disk-dir": "disk_dir",
     "--checkpoint-disk-budget": "disk_max_bytes",
+    "--checkpoint-redis-url": "redis_url",
+    "--checkpoint-redis-prefix": "redis_prefix",
+    "--checkpoint-redis-ttl": "redis_ttl",
+    "--checkpoint-redis-timeout": "redis_timeout",
+    "--checkpoint-redis-queue": "redis_queue",
+    "--checkpoint-redis-retry": "redis_retry",
     "--slot-save-path": "slot_save_path",
     "--checkpoint-draft-model": "draft_model",
     "--checkpoint-draft-n": "draft_n",
@@ -64,7 +70,7 @@ def _flag_type(field_name: str) -> dict[str, Any]:
     base = args[0]
     if field_name in ("cache_max_bytes", "disk_max_bytes", "max_body_bytes"):
         return {"type": parse_size}
-    if field_name == "admin_key":
+    if field_name in ("admin_key", "redis_url"):
         return {"type": str}
     if typing.get_origin(annotation) is typing.Literal:
         return {"choices": list(typing.get_args(annotation))}
