@@ -19,7 +19,7 @@ within 1.5x of same-replica turns and at most 0.25x of moved turns without it; a
 
 Run: ``.venv/bin/python bench/shared_tier.py`` (3 users x 4 turns, 3 rounds, about 13 minutes), ``--quick`` (1
 round), ``--users``, ``--turns``, ``--rounds``, ``--configs``, ``--markdown PATH`` (default
-``docs/bench-shared-tier.md``), ``--json PATH``; ``--render JSON`` writes the markdown of a saved run again.
+``docs/bench-sections/60-shared-tier.md``), ``--json PATH``; ``--render JSON`` writes the markdown of a saved run again.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from _common import fmt_bytes, fmt_ratio, markdown_table, ratio  # noqa: E402
 from chat import N_BATCH, N_CTX, N_THREADS, Config, ForeignLoad, Request, _stream, conversation, start  # noqa: E402
 from chat import token_counter  # noqa: E402
 
-MARKDOWN_PATH = ROOT / "docs" / "bench-shared-tier.md"
+MARKDOWN_PATH = ROOT / "docs" / "bench-sections/60-shared-tier.md"
 DEFAULT_USERS, DEFAULT_TURNS, DEFAULT_ROUNDS, MAX_TOKENS = 3, 4, 3, 16
 CONFIGS = ("shared", "local", "one", "one-shared", "one-shared-far")
 GOALS = {"moved_over_same": 1.5, "moved_over_local": 0.25, "unseen_over_local": 0.25, "one_shared_over_one": 1.05,
