@@ -293,7 +293,7 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
                               "met" if value <= GOALS[key] else "missed"])
     per_shared = configs.get("shared", {}).get("per_request", {})
     lines = [
-        "# Shared tier benchmark",
+        "## Shared tier: replicas behind round-robin routing (`bench/shared_tier.py`)",
         "",
         "Written by `bench/shared_tier.py`; see `docs/shared-tier.md` for the design and `bench/README.md` for how "
         "benchmarks are run.",
