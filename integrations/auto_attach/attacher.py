@@ -123,11 +123,17 @@ class AutoAttacher:
     def _register(self, label: str, llama: Llama) -> str:
         with self._lock:
             unique, n = label, 1
-            while unique in self._llamas and self._llamas[unique]() is not None:
+            while self._taken(unique):
                 n += 1
                 unique = f"{label}#{n}"
             self._llamas[unique] = weakref.ref(llama)
             return unique
+
+    def _taken(self, label: str) -> bool:
+        # A label comes free when its Llama is gone or detached.
+        ref = self._llamas.get(label)
+        holder = ref() if ref is not None else None
+        return holder is not None and manager_of(holder) is not None
 
     # -- what it attached --------------------------------------------------------------------------------------------
 
