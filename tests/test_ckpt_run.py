@@ -55,6 +55,7 @@ if manager is not None:
 child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_child.py")
 done = subprocess.run([sys.executable, child, sys.argv[1]], capture_output=True, text=True, check=True)
 result["child"] = json.loads(done.stdout)
+result["shadowed_sitecustomize_ran"] = os.environ.get("SHADOWED_SITECUSTOMIZE") == "ran"
 print(json.dumps(result))
 """
 
@@ -78,6 +79,9 @@ def program(tmp_path: pathlib.Path) -> pathlib.Path:
     (tmp_path / "report.py").write_text(REPORT)
     (tmp_path / "report_child.py").write_text(CHILD)
     (tmp_path / "report_llama.py").write_text(SCRIPT)
+    # the program's own sitecustomize, which ckpt-run's must not hide
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_SITECUSTOMIZE'] = 'ran'\n")
     return tmp_path
 
 
@@ -93,9 +97,11 @@ def test_ckpt_run_attaches_every_llama_of_a_script_and_its_children(
     program: pathlib.Path, tiny_model: Callable[[str], pathlib.Path], form: str
 ) -> None:
     target = ["report_llama.py"] if form == "script" else ["-m", "report_llama"]
+    pythonpath = os.pathsep.join([str(program), str(program / "site")])
     result = run(["ckpt-run", "--cache-max-bytes", "64MiB", "--llama", "n_batch=32", "--", "python", *target,
-                  str(tiny_model("llama"))], program, PYTHONPATH=str(program))
+                  str(tiny_model("llama"))], program, PYTHONPATH=pythonpath)
     _attached_everywhere(result, 64 << 20)
+    assert result["shadowed_sitecustomize_ran"]
 
 
 def test_the_environment_variable_alone_attaches_without_changing_the_command(

@@ -106,6 +106,9 @@ class AutoAttacher:
             expected = llama.context_params.embeddings or llama.model_params.vocab_only
             log.log(logging.DEBUG if expected else logging.WARNING, "not attaching %s: %s", label, exc)
             return None
+        except Exception:  # noqa: BLE001 - the program asked for a Llama, not for checkpoints: it gets its Llama
+            log.exception("not attaching %s: attach failed", label)
+            return None
         label = self._register(label, llama)
         log.debug("attached %s (model %s)", label, llama.model_path)
         if self.metrics is not None:
