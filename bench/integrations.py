@@ -6,6 +6,8 @@ in one process: WITH the plugin (the library's ``Llama`` built with ``swa_full=F
 ``swa_full=True``, which is what makes it correct on its own). Tokens evaluated (``manager.stats()`` /
 ``count_evaluated_tokens``) and wall time of the whole workload (model loading excluded), medians over rounds in
 which the two sides alternate; replies are compared.
+Tokens evaluated do not depend on the machine's load; wall times do (the machine is shared): the load average at
+the start and end of the run is printed with the table.
 
 Workloads:
 
@@ -21,6 +23,7 @@ Run: ``.venv/bin/python bench/integrations.py [--quick]``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import warnings
@@ -221,7 +224,7 @@ def main() -> None:
     parser = cli(__doc__)
     parser.add_argument("--model", help="another GGUF instead of Gemma-3-270M (e.g. a tiny model, to try the script)")
     args = parser.parse_args()
-    rounds = 1 if args.quick else 2
+    rounds = 1 if args.quick else 3
     path = args.model or gemma_path()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     report = Report("Libraries: LangChain, LlamaIndex, outlines (`bench/integrations.py`)")
@@ -229,18 +232,20 @@ def main() -> None:
         f"Gemma-3-270M Q4_K_M, n_ctx {LLAMA_OPTIONS['n_ctx']}, n_batch {LLAMA_OPTIONS['n_batch']}, 2 threads; each "
         "library through its own API, with the plugin (`swa_full=False`, attached through "
         "`ckpt_plugin_integrations.<library>`) and without it (the library alone, llama.cpp's default "
-        f"`swa_full=True`); median of {rounds} round(s), the two sides alternating. Chat: a ~900-token system "
+        f"`swa_full=True`); median of {rounds} round(s), the two sides alternating (each first in turn). Chat: a ~900-token system "
         "prompt, two turns, the first question edited, back to the first branch, that turn regenerated "
         f"({REPLY_TOKENS} tokens per reply). Two conversations: two users of one model, each with its own ~900-token "
         "system prompt, three turns each, taking turns. JSON: 6 inputs after the same ~900-token instructions, "
         "`outlines.Generator` with a pydantic schema. Command: `.venv/bin/python bench/integrations.py`."
     )
+    load_before = os.getloadavg()[0]
     rows = []
     for workload in WORKLOADS:
         runs = {WITH: Run(), WITHOUT: Run()}
-        for _ in range(rounds):
-            for side, run in runs.items():
-                run_once(workload, path, side == WITH, run)
+        for round_index in range(rounds):
+            order = [WITH, WITHOUT] if round_index % 2 == 0 else [WITHOUT, WITH]  # neither side always first
+            for side in order:
+                run_once(workload, path, side == WITH, runs[side])
         with_, without = runs[WITH], runs[WITHOUT]
         tokens_with, tokens_without = statistics.median(with_.tokens), statistics.median(without.tokens)
         time_with, time_without = statistics.median(with_.seconds), statistics.median(without.seconds)
@@ -251,6 +256,7 @@ def main() -> None:
         print(" | ".join(rows[-1]), flush=True)
         report.figure(f"{workload.library}, {workload.name}: tokens evaluated without / with the plugin",
                       fmt_ratio(ratio(tokens_without, tokens_with)))
+    report.text(f"Load average (1 min) at the start: {load_before:.1f}, at the end: {os.getloadavg()[0]:.1f}.")
     report.table(["library", "workload", "tokens evaluated with", "without", "ratio", "time with", "without",
                   "speed-up", "same replies"], rows)
     emit(report, args.json)
