@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 
@@ -42,6 +42,40 @@ class Server:
 
 
 @contextlib.contextmanager
+def serving(
+    command: list[str], ready: Callable[[], bool], env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None, timeout: float = 120.0,
+) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """Run ``command`` until ``ready()`` is true; yield it and its output lines so far; SIGTERM it at the end."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **(env or {})}, cwd=cwd)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(process.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{''.join(log)}")
+            try:
+                if ready():
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{''.join(log)}")
+            time.sleep(0.2)
+        yield process, log
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        reader.join(timeout=5)
+
+
+@contextlib.contextmanager
 def run_server(args: list[str], plain: bool = False, env: dict[str, str] | None = None,
                timeout: float = 120.0) -> Iterator[Server]:
     """Start ``ckpt-serve`` (or ``python -m llama_cpp.server`` if ``plain``) and wait until it answers."""
@@ -49,32 +83,12 @@ def run_server(args: list[str], plain: bool = False, env: dict[str, str] | None 
     module = "llama_cpp.server" if plain else "ckpt_plugin_integrations.llama_cpp_server"
     command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--verbose", "false",
                *args]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, **(env or {})})
-    log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(process.stdout), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    server = Server(process, port, log)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}:\n{''.join(log)}")
-            try:
-                if httpx.get(f"{server.url}/v1/models", timeout=2).status_code in (200, 401):
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{''.join(log)}")
-            time.sleep(0.2)
-        yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+
+    def ready() -> bool:
+        return httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code in (200, 401)
+
+    with serving(command, ready, env, timeout=timeout) as (process, log):
+        yield Server(process, port, log)
 
 
 def model_args(path: Any, **extra: Any) -> list[str]:

@@ -161,7 +161,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
     import uvicorn
 
+    from ckpt_plugin_integrations.auto_attach import uninstall as stop_auto_attach
+
     from .app import create_app
+
+    # ckpt-serve attaches its models itself (with shared caches per alias): under ckpt-run or CKPT_AUTO_ATTACH=1
+    # the models must not be attached a first time as they are created.
+    stop_auto_attach()
 
     app = create_app(server, models, checkpoints)
     uvicorn.run(

@@ -1,0 +1,231 @@
+"""Attach every ``llama_cpp.Llama`` a program creates, as it is created.
+
+``Llama.__init__`` is wrapped once per process (:mod:`.startup`); the wrapper calls :func:`construct`, which runs
+the original constructor (with the configured overrides of its arguments), then :func:`ckpt_plugin.attach` with the
+configured settings, through the installed :class:`AutoAttacher`: the one :func:`install` made, or, under
+``ckpt-run`` / ``CKPT_AUTO_ATTACH=1``, one made from the environment when the first ``Llama`` is created.
+
+Embedding and vocab-only models cannot be attached (``attach`` raises :class:`~ckpt_plugin.UnsupportedHostError`):
+they are left as they are, with a debug log.
+Llamas of the same model file share one prompt cache, so a program that creates a new ``Llama`` per job (or a
+library that does) finds the entries of the previous ones; entries of other context settings stay apart by their
+fingerprint.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import logging
+import os
+import threading
+import weakref
+from typing import Any, Callable
+
+import llama_cpp
+from llama_cpp import Llama
+
+from ckpt_plugin import (
+    CheckpointManager,
+    CheckpointSettings,
+    DiskTier,
+    PromptCache,
+    UnsupportedHostError,
+    attach,
+    manager_of,
+)
+
+from . import startup
+from .logs import show_logs
+from .metrics_server import MetricsServer
+from .settings import check_llama_overrides, load_checkpoint_settings, load_run_settings
+
+log = logging.getLogger("ckpt_plugin.auto_attach")
+
+
+def model_label(llama: Llama) -> str:
+    """The name an attached ``Llama`` is reported under: its model file's name."""
+    return os.path.basename(str(llama.model_path)) or "model"
+
+
+class AutoAttacher:
+    """What the wrapped ``Llama.__init__`` does with the settings it was given, and the Llamas it attached.
+
+    :param settings: Checkpoint settings of every manager.
+    :param llama_overrides: Constructor arguments that replace what the program passes.
+    :param metrics: Started on the first attach, if given.
+    """
+
+    def __init__(
+        self,
+        settings: CheckpointSettings,
+        llama_overrides: dict[str, Any] | None = None,
+        metrics: MetricsServer | None = None,
+    ) -> None:
+        self.settings = settings
+        self.llama_overrides = dict(llama_overrides or {})
+        check_llama_overrides(self.llama_overrides, Llama.__init__)
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._llamas: dict[str, weakref.ref[Llama]] = {}
+        self._caches: dict[str, PromptCache] = {}
+        self._disk = DiskTier(settings.disk_dir, settings.disk_max_bytes) if settings.disk_dir else None
+        if self._disk is not None:
+            # The live conversations go to the disk tier too, so that the next run starts warm.
+            atexit.register(self.flush)
+
+    # -- what it does ------------------------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Put every attached Llama's live conversation into its cache (and disk tier)."""
+        for manager in self.managers().values():
+            manager.flush()
+
+    def construct(self, wrapped: Callable[..., None], instance: Llama, args: tuple, kwargs: dict) -> None:
+        """Run ``Llama.__init__`` (``wrapped``) with the overrides applied, then attach ``instance``."""
+        if self.llama_overrides:
+            args, kwargs = self._override(wrapped, args, kwargs)
+        wrapped(*args, **kwargs)
+        self.attach(instance)
+
+    def _override(self, init: Callable[..., None], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        try:
+            bound = inspect.signature(init).bind(*args, **kwargs)
+        except TypeError:
+            return args, kwargs  # let the constructor report the bad call in its own words
+        bound.arguments.update(self.llama_overrides)
+        return bound.args, bound.kwargs
+
+    def attach(self, llama: Llama) -> CheckpointManager | None:
+        """Attach ``llama`` (what the wrapper does after the constructor); ``None`` if it cannot be attached."""
+        label = model_label(llama)
+        try:
+            manager = attach(llama, self.settings, cache=self._cache_for(llama), disk=self._disk)
+        except UnsupportedHostError as exc:
+            # Embedding and vocab-only models have no generation state: expected, so only a debug line.
+            expected = llama.context_params.embeddings or llama.model_params.vocab_only
+            log.log(logging.DEBUG if expected else logging.WARNING, "not attaching %s: %s", label, exc)
+            return None
+        except Exception:  # noqa: BLE001 - the program asked for a Llama, not for checkpoints: it gets its Llama
+            log.exception("not attaching %s: attach failed", label)
+            return None
+        label = self._register(label, llama)
+        log.debug("attached %s (model %s)", label, llama.model_path)
+        if self.metrics is not None:
+            self.metrics.watch(label, manager)
+        return manager
+
+    def _cache_for(self, llama: Llama) -> PromptCache:
+        key = os.path.realpath(str(llama.model_path))
+        with self._lock:
+            cache = self._caches.get(key)
+            if cache is None:
+                cache = self._caches[key] = PromptCache(self.settings.cache_max_bytes, self.settings.cache_max_tokens)
+            return cache
+
+    def _register(self, label: str, llama: Llama) -> str:
+        with self._lock:
+            unique, n = label, 1
+            while self._taken(unique):
+                n += 1
+                unique = f"{label}#{n}"
+            self._llamas[unique] = weakref.ref(llama)
+            return unique
+
+    def _taken(self, label: str) -> bool:
+        # A label comes free when its Llama is gone or detached.
+        ref = self._llamas.get(label)
+        holder = ref() if ref is not None else None
+        return holder is not None and manager_of(holder) is not None
+
+    # -- what it attached --------------------------------------------------------------------------------------------
+
+    def managers(self) -> dict[str, CheckpointManager]:
+        """The managers of the Llamas it attached that are alive and still attached, by model label."""
+        with self._lock:
+            llamas = {label: ref() for label, ref in self._llamas.items()}
+        found = {label: manager_of(llama) for label, llama in llamas.items() if llama is not None}
+        return {label: manager for label, manager in found.items() if manager is not None}
+
+
+_current: AutoAttacher | None = None
+_from_environment = startup.enabled()  # made on the first Llama, unless install() or uninstall() came first
+_current_lock = threading.Lock()
+
+
+def construct(wrapped: Callable[..., None], instance: Llama, args: tuple, kwargs: dict) -> None:
+    """What the wrapped ``Llama.__init__`` does: construct, then attach through the installed attacher, if any."""
+    attacher = _installed()
+    if attacher is None:
+        wrapped(*args, **kwargs)
+    else:
+        attacher.construct(wrapped, instance, args, kwargs)
+
+
+def _installed() -> AutoAttacher | None:
+    global _current, _from_environment
+    if not _from_environment:
+        return _current
+    with _current_lock:
+        if _from_environment:
+            _from_environment = False
+            try:
+                _current = _attacher_from_environment()
+            except Exception as exc:  # noqa: BLE001 - the program must run on, only without checkpoints
+                log.error("auto-attach is off: %s", exc)
+        return _current
+
+
+def _attacher_from_environment() -> AutoAttacher:
+    run = load_run_settings()
+    show_logs(run.log_level)
+    attacher = AutoAttacher(load_checkpoint_settings(run.config_file), run.llama_overrides)
+    if run.metrics_port is not None:
+        attacher.metrics = MetricsServer(run.metrics_port, run.metrics_host, attacher.managers)
+    return attacher
+
+
+def install(
+    settings: CheckpointSettings | None = None,
+    *,
+    llama_overrides: dict[str, Any] | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    **overrides: Any,
+) -> AutoAttacher:
+    """Attach every ``llama_cpp.Llama`` created from now on (replacing an earlier :func:`install`).
+
+    :param settings: Checkpoint settings; keyword arguments override fields (``install(cache_max_bytes="1GiB")``).
+    :param llama_overrides: ``Llama`` constructor arguments that replace what the program passes.
+    :param metrics_port: Serve Prometheus metrics of the attached Llamas on this port (from the first attach on).
+    :param metrics_host: The address that endpoint listens on.
+    :raises ConfigError: An override names no ``Llama`` parameter.
+    :raises pydantic.ValidationError: A setting is invalid.
+    """
+    global _current, _from_environment
+    base = settings.model_dump() if settings is not None else {}
+    attacher = AutoAttacher(CheckpointSettings(**{**base, **overrides}), llama_overrides)
+    if metrics_port is not None:
+        attacher.metrics = MetricsServer(metrics_port, metrics_host, attacher.managers)
+    startup.wrap_llama_init(llama_cpp)
+    with _current_lock:
+        _current, _from_environment = attacher, False
+    return attacher
+
+
+def uninstall() -> None:
+    """Stop attaching new Llamas (those attached stay attached; ``ckpt_plugin.detach`` them)."""
+    global _current, _from_environment
+    with _current_lock:
+        _current, _from_environment = None, False
+
+
+def current() -> AutoAttacher | None:
+    """The installed :class:`AutoAttacher`, if any."""
+    return _installed()
+
+
+def managers() -> dict[str, CheckpointManager]:
+    """The managers of the Llamas attached automatically, by model label (empty when not installed)."""
+    attacher = _installed()
+    return attacher.managers() if attacher is not None else {}

@@ -1,0 +1,134 @@
+"""``ckpt-run [options] [--] COMMAND [ARGS...]``: run a program with every ``llama_cpp.Llama`` it creates attached.
+
+Like ``opentelemetry-instrument``, it changes nothing in the program: it turns its options into ``CKPT_*``
+environment variables, puts a ``sitecustomize`` directory first on ``PYTHONPATH`` and replaces itself with the
+command. Every Python process of the program (``uvicorn`` or ``gunicorn`` workers, ``python -m`` modules, scripts,
+their children) inherits both and attaches its Llamas as they are created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+from typing import Any, NoReturn, Sequence
+
+from pydantic import ValidationError
+
+from ckpt_plugin.config import CheckpointSettings
+from ckpt_plugin.errors import ConfigError
+
+from .settings import RunSettings, check_llama_overrides, load_checkpoint_settings, load_run_settings, parse_override
+
+BOOT_DIR = pathlib.Path(__file__).with_name("boot")
+"""The directory holding the ``sitecustomize`` module that starts auto-attach."""
+
+_RUN_FLAGS = {
+    "--config": "config_file",
+    "--metrics-port": "metrics_port",
+    "--metrics-host": "metrics_host",
+    "--log-level": "log_level",
+}
+
+
+def _env_name(field: str) -> str:
+    return f"CKPT_{field.upper()}"
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckpt-run",
+        description=__doc__.split("\n\n")[0].strip() if __doc__ else None,
+        epilog="Each option is also read from its CKPT_* variable (e.g. --cache-max-bytes from "
+        "CKPT_CACHE_MAX_BYTES); an option wins over its variable, a variable over the --config file.",
+    )
+    run = parser.add_argument_group("ckpt-run")
+    for flag, field in _RUN_FLAGS.items():
+        run.add_argument(flag, dest=field, metavar=field.split("_")[-1].upper(),
+                         help=f"{RunSettings.model_fields[field].description} ({_env_name(field)})")
+    run.add_argument(
+        "--llama", action="append", default=[], metavar="NAME=VALUE", dest="llama",
+        help="A llama_cpp.Llama constructor argument that replaces what the program passes, e.g. n_batch=512 or "
+        "swa_full=false (repeatable; CKPT_LLAMA_OVERRIDES as a JSON object).",
+    )
+    checkpoints = parser.add_argument_group("checkpoint settings (ckpt_plugin.attach keywords)")
+    for field, info in CheckpointSettings.model_fields.items():
+        checkpoints.add_argument(_flag(field), dest=f"ckpt_{field}", metavar="VALUE",
+                                 help=f"{info.description} ({_env_name(field)})")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="The program to run, e.g. -- python app.py")
+    return parser
+
+
+def child_environment(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, str]:
+    """The environment the command runs in: ``environ`` with auto-attach on and the options as variables."""
+    env = dict(environ)
+    env["CKPT_AUTO_ATTACH"] = "1"
+    for field in _RUN_FLAGS.values():
+        value = getattr(args, field)
+        if value is not None:
+            env[_env_name(field)] = value
+    if args.llama:
+        inherited: dict[str, Any] = json.loads(env.get("CKPT_LLAMA_OVERRIDES") or "{}")
+        env["CKPT_LLAMA_OVERRIDES"] = json.dumps({**inherited, **dict(map(parse_override, args.llama))})
+    for field in CheckpointSettings.model_fields:
+        value = getattr(args, f"ckpt_{field}")
+        if value is not None:
+            env[_env_name(field)] = value
+    paths = [str(BOOT_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def validate(env: dict[str, str]) -> None:
+    """Read the settings the command will read, so that a bad value stops ckpt-run instead of the program.
+
+    :raises ConfigError: Naming the bad value.
+    """
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        run = load_run_settings()
+        load_checkpoint_settings(run.config_file)
+        if run.llama_overrides:
+            from llama_cpp import Llama
+
+            check_llama_overrides(run.llama_overrides, Llama.__init__)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _fail(message: str, status: int = 2) -> NoReturn:
+    print(f"ckpt-run: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        parser.print_usage(sys.stderr)
+        _fail("no command given (e.g. ckpt-run -- python app.py)")
+    try:
+        env = child_environment(args, dict(os.environ))
+        validate(env)
+    except (ConfigError, ValidationError, json.JSONDecodeError) as exc:
+        _fail(str(exc))
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as exc:
+        _fail(f"cannot run {command[0]}: {exc.strerror or exc}", 127)
+
+
+if __name__ == "__main__":
+    main()
