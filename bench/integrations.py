@@ -24,6 +24,7 @@ Run: ``.venv/bin/python bench/integrations.py [--quick]``.
 from __future__ import annotations
 
 import os
+import pathlib
 import statistics
 import time
 import warnings
@@ -220,6 +221,9 @@ def run_once(workload: Workload, path: str, with_plugin: bool, run: Run) -> None
     llama.close()
 
 
+SECTION = pathlib.Path(__file__).resolve().parents[1] / "docs" / "bench-sections" / "40-libraries.md"
+
+
 def main() -> None:
     parser = cli(__doc__)
     parser.add_argument("--model", help="another GGUF instead of Gemma-3-270M (e.g. a tiny model, to try the script)")
@@ -260,6 +264,9 @@ def main() -> None:
     report.table(["library", "workload", "tokens evaluated with", "without", "ratio", "time with", "without",
                   "speed-up", "same replies"], rows)
     emit(report, args.json)
+    if not args.model and not args.quick:
+        # The docs section, included by every regeneration of docs/benchmarks.md (bench/run_all.py).
+        SECTION.write_text(report.markdown())
 
 
 if __name__ == "__main__":
