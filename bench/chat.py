@@ -4,7 +4,10 @@ Each user has a long system prompt of its own (about 660 tokens of natural-looki
 list, different per user), short user messages and fixed assistant turns (strings chosen here, not model outputs, so
 every server sees exactly the same prompts). Requests are streamed with the ``openai`` client
 (``stream=True, stream_options={"include_usage": True}``); TTFT is the time from the start of the request to the
-first chunk carrying content. The servers run one at a time (2 cores), same model, same settings:
+first chunk carrying content. Same model, same settings on every server; the servers of a group (``--groups``,
+default ``acdef,b``) run at the same time and take each request in turn, so that they are compared request by
+request under the same machine conditions (only one of them works at any time; ``--cache true`` runs alone, for its
+memory):
 
 - ``llama_cpp.server`` without a cache;
 - ``llama_cpp.server --cache true`` (``LlamaRAMCache``, 2 GiB);
@@ -53,6 +56,9 @@ N_CTX, N_BATCH, N_THREADS = 4096, 512, 2
 SYSTEM_TOKENS = 660
 DEFAULT_USERS, DEFAULT_TURNS, DEFAULT_MAX_TOKENS = 4, 4, 16
 QUICK_USERS, QUICK_TURNS = 2, 3
+# Servers of one group run at the same time and take each request in turn; (b) keeps up to 18 GB of cache pages
+# and runs alone.
+DEFAULT_GROUPS = "acdef,b"
 PLOT_PATH = ROOT / "docs" / "chat_ttft.png"
 NOISY = 0.25  # cores used by other processes during a request above which the request is flagged
 
@@ -456,56 +462,70 @@ LONG_PROMPT_USER = 97
 long_prompt_counter: Any = None  # set by run(): the model's token counter
 
 
-def run_server(config: Config, requests: Sequence[Request], max_tokens: int,
-               progress: bool = True, quiet_wait: float = 0.0) -> dict[str, Any]:
-    """Start ``config``'s server, send the conversation, collect per-request figures and memory, stop it."""
-    import openai
+class Session:
+    """One running server under the workload: sends requests and collects its figures."""
 
-    with start(config) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=900)
+    def __init__(self, config: Config, server: Running, quiet_wait: float, progress: bool) -> None:
+        import openai
+
+        self.config, self.server = config, server
+        self.quiet_wait, self.progress = quiet_wait, progress
+        self.client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=900)
         # one short unrelated request first so the model's pages are loaded before the first timed request
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello"}], max_tokens=2,
-                                       temperature=0)
-        rss_after_warmup = server.proc_status()
-        mark = server.settle()
-        results: list[Result] = []
-        evaluated_before = _metric(server, "tokens_evaluated_total") if config.ckpt else 0.0
-        whole = ForeignLoad(server)
-        waited = 0.0
-        for request in requests:
-            pause = wait_quiet(server, quiet_wait) if quiet_wait > 0 else 0.0
-            waited += pause
-            load = ForeignLoad(server)
-            faults = server.minor_faults()
-            result = _stream(client, request, max_tokens, config.llama_server)
-            result.foreign_cores = load.cores()
-            result.server_faults_bytes = (server.minor_faults() - faults) * os.sysconf("SC_PAGE_SIZE")
-            result.waited = pause
-            end = server.settle()
-            _parse_log(server.lines[mark:end], result)
-            mark = end
-            if config.ckpt:
-                evaluated_after = _metric(server, "tokens_evaluated_total")
-                generated = _generated_evaluated(result)
-                result.evaluated_metric = evaluated_after - evaluated_before - generated
-                evaluated_before = evaluated_after
-            if result.evaluated_log is None and result.perf_prompt_tokens is not None and not config.ckpt \
-                    and not config.llama_server:
-                # no prefix-match line: the whole prompt was evaluated (llama.cpp's counter says how much)
-                result.evaluated_log = result.perf_prompt_tokens
-            results.append(result)
-            if progress:
-                print(f"  [{config.key}] request {request.index:2d} user {request.user} turn {request.turn}: "
-                      f"TTFT {result.ttft:6.3f} s, evaluated {_evaluated(result)}, other load "
-                      f"{result.foreign_cores:.2f} cores" + (f" (waited {pause:.0f} s)" if pause >= 1 else ""),
-                      file=sys.stderr, flush=True)
-        foreign = whole.cores()
-        # A long prompt the server never saw: the prompt evaluation rate itself.
-        long_prompt = Request(len(requests), LONG_PROMPT_USER, 0,
-                              [{"role": "system", "content": system_prompt(LONG_PROMPT_USER, LONG_PROMPT_TOKENS,
-                                                                           count=long_prompt_counter)},
-                               {"role": "user", "content": "Hello"}])
-        long_result = _stream(client, long_prompt, 2, config.llama_server)
+        self.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello"}],
+                                            max_tokens=2, temperature=0)
+        self.rss_after_warmup = server.proc_status()
+        self.mark = server.settle()
+        self.results: list[Result] = []
+        self.evaluated_before = _metric(server, "tokens_evaluated_total") if config.ckpt else 0.0
+        self.whole = ForeignLoad(server)
+        self.waited = 0.0
+
+    def send(self, request: Request, max_tokens: int) -> Result:
+        config, server = self.config, self.server
+        pause = wait_quiet(server, self.quiet_wait) if self.quiet_wait > 0 else 0.0
+        self.waited += pause
+        load = ForeignLoad(server)
+        faults = server.minor_faults()
+        result = _stream(self.client, request, max_tokens, config.llama_server)
+        result.foreign_cores = load.cores()
+        result.server_faults_bytes = (server.minor_faults() - faults) * os.sysconf("SC_PAGE_SIZE")
+        result.waited = pause
+        end = server.settle()
+        _parse_log(server.lines[self.mark:end], result)
+        self.mark = end
+        if config.ckpt:
+            evaluated_after = _metric(server, "tokens_evaluated_total")
+            generated = _generated_evaluated(result)
+            result.evaluated_metric = evaluated_after - self.evaluated_before - generated
+            self.evaluated_before = evaluated_after
+        if result.evaluated_log is None and result.perf_prompt_tokens is not None and not config.ckpt \
+                and not config.llama_server:
+            # no prefix-match line: the whole prompt was evaluated (llama.cpp's counter says how much)
+            result.evaluated_log = result.perf_prompt_tokens
+        self.results.append(result)
+        if self.progress:
+            print(f"  [{config.key}] request {request.index:2d} user {request.user} turn {request.turn}: "
+                  f"TTFT {result.ttft:6.3f} s, evaluated {_evaluated(result)}, other load "
+                  f"{result.foreign_cores:.2f} cores" + (f" (waited {pause:.0f} s)" if pause >= 1 else ""),
+                  file=sys.stderr, flush=True)
+        return result
+
+    def long_prompt(self, index: int) -> Result:
+        """A long prompt the server never saw: the prompt evaluation rate itself."""
+        request = Request(index, LONG_PROMPT_USER, 0,
+                          [{"role": "system", "content": system_prompt(LONG_PROMPT_USER, LONG_PROMPT_TOKENS,
+                                                                       count=long_prompt_counter)},
+                           {"role": "user", "content": "Hello"}])
+        self.long_result = _stream(self.client, request, 2, self.config.llama_server)
+        if self.progress:
+            print(f"  [{self.config.key}] {LONG_PROMPT_TOKENS}-token prompt: TTFT {self.long_result.ttft:6.3f} s",
+                  file=sys.stderr, flush=True)
+        return self.long_result
+
+    def figures(self) -> dict[str, Any]:
+        config, server = self.config, self.server
+        foreign = self.whole.cores()
         memory = server.proc_status()
         stats = None
         if config.ckpt:
@@ -513,16 +533,39 @@ def run_server(config: Config, requests: Sequence[Request], max_tokens: int,
             metrics_text = httpx.get(server.url + "/metrics", timeout=30).text
             stats["metrics"] = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
                                 if line.startswith("ckpt_") and "_bucket" not in line}
-    return {
-        "key": config.key, "label": config.label, "command": " ".join(_shorten(config.command)),
-        "requests": [asdict(r) for r in results],
-        "peak_rss": memory.get("VmHWM"), "rss_end": memory.get("VmRSS"),
-        "rss_after_warmup": rss_after_warmup.get("VmRSS"),
-        "foreign_cores": foreign, "quiet_waited_seconds": waited,
-        "long_prompt": {"prompt_tokens": long_result.prompt_tokens, "ttft": long_result.ttft,
-                        "rate": (long_result.prompt_tokens or 0) / long_result.ttft if long_result.ttft else None},
-        "checkpoint_stats": stats,
-    }
+        long_result = self.long_result
+        return {
+            "key": config.key, "label": config.label, "command": " ".join(_shorten(config.command)),
+            "requests": [asdict(r) for r in self.results],
+            "peak_rss": memory.get("VmHWM"), "rss_end": memory.get("VmRSS"),
+            "rss_after_warmup": self.rss_after_warmup.get("VmRSS"),
+            "foreign_cores": foreign, "quiet_waited_seconds": self.waited,
+            "long_prompt": {"prompt_tokens": long_result.prompt_tokens, "cached_tokens": long_result.cached_tokens,
+                            "ttft": long_result.ttft, "rate": _long_prompt_rate(long_result)},
+            "checkpoint_stats": stats,
+        }
+
+
+def run_group(group: Sequence[Config], requests: Sequence[Request], max_tokens: int,
+              progress: bool = True, quiet_wait: float = 0.0) -> list[dict[str, Any]]:
+    """Start every server of ``group`` at once and send each request to each of them in turn, so that the servers
+    of a group are compared request by request, under the same machine conditions (the machine's speed drifts over
+    minutes; only one server works at any time)."""
+    with contextlib.ExitStack() as stack:
+        sessions = [Session(config, stack.enter_context(start(config)), quiet_wait, progress) for config in group]
+        for request in requests:
+            for session in sessions:
+                session.send(request, max_tokens)
+        for session in sessions:
+            session.long_prompt(len(requests))
+        return [session.figures() for session in sessions]
+
+
+def _long_prompt_rate(result: Result) -> float | None:
+    """Prompt tokens evaluated per second of TTFT: tokens a server reused from earlier requests don't count."""
+    if not result.ttft or not result.prompt_tokens:
+        return None
+    return (result.prompt_tokens - (result.cached_tokens or 0)) / result.ttft
 
 
 def _generated_evaluated(result: Result) -> int:
@@ -555,11 +598,12 @@ def _evaluated(result: Result) -> str:
 
 def run(quick: bool = False, users: int | None = None, turns: int | None = None,
         max_tokens: int = DEFAULT_MAX_TOKENS, progress: bool = True, plot: Any = "auto",
-        quiet_wait: float = 0.0, servers: str = "abcdef") -> dict:
+        quiet_wait: float = 0.0, servers: str = "abcdef", groups: str = DEFAULT_GROUPS) -> dict:
     """Run the workload on every configuration; returns the figures (strict JSON-able: NaN become None).
 
     ``quiet_wait``: before each request, wait up to this many seconds for other processes to leave the CPUs alone
-    (0: don't wait). ``servers``: the keys of the configurations to run. ``plot``: a path for the TTFT plot, None
+    (0: don't wait). ``servers``: the keys of the configurations to run; ``groups``: which of them run at the same
+    time, taking the requests in turn (comma-separated key groups). ``plot``: a path for the TTFT plot, None
     for none, ``"auto"`` for ``docs/chat_ttft.png`` on a full-size run (no ``--quick``, default ``users``, ``turns``
     and ``max_tokens``) and none otherwise.
     """
@@ -572,12 +616,18 @@ def run(quick: bool = False, users: int | None = None, turns: int | None = None,
     model = gemma_path()
     long_prompt_counter = token_counter(model)
     requests = conversation(users, turns, count=long_prompt_counter)
-    chosen = [c for c in configs(model) if c.key in servers]
-    outcomes = []
-    for config in chosen:
+    by_key = {c.key: c for c in configs(model)}
+    outcomes_by_key = {}
+    for members in groups.split(","):
+        group = [by_key[key] for key in members if key in servers and key in by_key]
+        if not group:
+            continue
         if progress:
-            print(f"{config.label}: {users} users x {turns} turns", file=sys.stderr, flush=True)
-        outcomes.append(run_server(config, requests, max_tokens, progress, quiet_wait))
+            print(f"{', '.join(c.label for c in group)}: {users} users x {turns} turns, request by request",
+                  file=sys.stderr, flush=True)
+        for outcome in run_group(group, requests, max_tokens, progress, quiet_wait):
+            outcomes_by_key[outcome["key"]] = outcome
+    outcomes = [outcomes_by_key[key] for key in sorted(outcomes_by_key)]
     results = {
         "users": users, "turns": turns, "max_tokens": max_tokens, "n_ctx": N_CTX, "n_batch": N_BATCH,
         "n_threads": N_THREADS, "model": "Gemma-3-270M Q4_K_M",
@@ -587,7 +637,9 @@ def run(quick: bool = False, users: int | None = None, turns: int | None = None,
         + (f" --turns {turns}" if turns != (QUICK_TURNS if quick else DEFAULT_TURNS) else "")
         + (f" --max-tokens {max_tokens}" if max_tokens != DEFAULT_MAX_TOKENS else "")
         + (f" --servers {servers}" if servers != "abcdef" else "")
+        + (f" --groups {groups}" if groups != DEFAULT_GROUPS else "")
         + (f" --quiet-wait {quiet_wait:g}" if quiet_wait > 0 else ""),
+        "groups": groups,
         "servers": outcomes,
     }
     _summarize(results)
@@ -726,9 +778,11 @@ def markdown(results: dict) -> str:
         f"{max(prompts) if prompts else '?'} tokens). Requests are streamed with the `openai` client; TTFT is the "
         "time from the start of the request to the first content chunk; max_tokens "
         f"{results['max_tokens']}, temperature 0. {results['model']}, n_ctx {results['n_ctx']}, n_batch "
-        f"{results['n_batch']}, {results['n_threads']} threads, every server with the same settings, one server at a "
-        "time on the same machine, in the same run; medians. \"Turns 2+\" are the requests after each user's first "
-        "turn (the figure the goals are about)."),
+        f"{results['n_batch']}, {results['n_threads']} threads, every server with the same settings, on the same machine, in "
+        f"the same run; the servers of a group ({results.get('groups', DEFAULT_GROUPS)}) run at the same time and "
+        "take each request in turn (only one of them works at any time), so they are compared under the same "
+        "machine conditions; medians. \"Turns 2+\" are the requests after each user's first turn (the figure the "
+        "goals are about)."),
         "",
         (f"Command: `{results['command']}` (`--json OUT` writes every request's figures, `--servers` picks the "
         "configurations)."),
@@ -925,6 +979,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--servers", default="abcdef",
                         help="configurations to run: a (llama_cpp.server), b (--cache true), c (ckpt-serve), "
                         "d (llama-server, when on PATH), e / f (a / c with --logits_all false); default abcdef")
+    parser.add_argument("--groups", default=DEFAULT_GROUPS,
+                        help="which configurations run at the same time, taking each request in turn "
+                        f"(comma-separated; default {DEFAULT_GROUPS})")
     parser.add_argument("--from-json", type=pathlib.Path,
                         help="don't run: print (and --markdown / --plot) the results of an earlier --json file")
     parser.add_argument("--quiet-wait", type=float, default=0.0,
@@ -938,7 +995,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             results["plot"] = str(plot_ttft(results, PLOT_PATH if plot == "auto" else plot))
     else:
         results = run(args.quick, args.users, args.turns, args.max_tokens, plot=plot, quiet_wait=args.quiet_wait,
-                      servers=args.servers)
+                      servers=args.servers, groups=args.groups)
     text = markdown(results)
     print(text)
     if args.report_json is not None:

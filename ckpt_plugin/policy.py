@@ -3,8 +3,10 @@
 Nothing here touches llama.cpp. The rules follow llama.cpp's server (``tools/server``) and improve on it where noted:
 
 - Plain attention memory can be truncated anywhere: no checkpoint is needed for prefix reuse.
-- A sliding-window (SWA) memory can be truncated to ``p`` only while it still holds the window before ``p``:
-  ``pos_min <= max(0, p - n_swa)``. A checkpoint serves ``p`` under the same condition on its own ``pos_min``; unlike
+- A sliding-window (SWA) memory can be truncated to ``p`` only while it still holds the window the token at ``p``
+  attends to: llama.cpp masks the positions ``<= p - n_swa``, so ``pos_min <= max(0, p - n_swa + 1)`` (llama.cpp's
+  server asks one position more, ``p - n_swa``; this is what lets a checkpoint taken at the prompt's end serve a
+  regeneration, one token earlier). A checkpoint serves ``p`` under the same condition on its own ``pos_min``; unlike
   llama.cpp, which only restores checkpoints ending before ``p``, we also restore one ending after ``p`` and then
   truncate it, because attention cells are per position and the window before ``p`` is exact in it. That removes the
   re-evaluation between the checkpoint and the divergence point.
@@ -100,8 +102,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def swa_threshold(kind: MemoryKind, n_keep: int) -> int:
-    """The largest ``pos_min`` a sliding-window memory may have to be truncated to ``n_keep`` tokens."""
-    return max(0, n_keep - kind.n_swa)
+    """The largest ``pos_min`` a sliding-window memory may have to be truncated to ``n_keep`` tokens.
+
+    The next token, at position ``n_keep``, attends to the positions above ``n_keep - n_swa`` (llama.cpp's
+    ``is_masked_swa``: masked when ``p1 - p0 >= n_swa``).
+    """
+    return max(0, n_keep - kind.n_swa + 1)
 
 
 def can_truncate(kind: MemoryKind, n_memory: int, pos_min: int, n_keep: int) -> bool:
@@ -308,6 +314,18 @@ def plan_prompt(
     return Plan(best.n_keep, entry, tier, best.checkpoint, restore_state, park, live_reuse)
 
 
+def prompt_end_checkpoint(kind: MemoryKind, prompt_end: int) -> int:
+    """Where the checkpoint that closes a prompt goes.
+
+    A sliding-window checkpoint taken at the prompt's end serves both the continuations (``prompt_end`` tokens) and
+    a regeneration of the same prompt (``prompt_end - 1``: one token is always evaluated), since a restored window
+    can lose its last position (:func:`swa_threshold`); taking it there needs no pause, the prompt's last batch ends
+    there. A recurrent state exists only at its end: the checkpoint goes one token before the end, so that both
+    restore with one token to evaluate (llama.cpp takes them 4 and ``4 + n_ubatch`` tokens before the end).
+    """
+    return prompt_end - 1 if kind.recurrent else prompt_end
+
+
 def want_checkpoint(
     kind: MemoryKind,
     rules: CheckpointRules,
@@ -318,39 +336,65 @@ def want_checkpoint(
 ) -> bool:
     """Whether to take a checkpoint with ``position`` prompt tokens in memory.
 
-    Taken only on memories that need checkpoints, never on an empty memory (``pos_min < 0``) nor at or past the
-    prompt's end. Always one token before the prompt's end, so that a regeneration or an edit of the reply restores
-    with a single token to evaluate (llama.cpp takes them 4 and ``4 + n_ubatch`` tokens before the end); elsewhere
-    when at least ``min_step`` tokens past the newest checkpoint.
+    Taken only on memories that need checkpoints, never on an empty memory (``pos_min < 0``) nor past the prompt's
+    end. Always at :func:`prompt_end_checkpoint`; elsewhere when at least ``min_step`` tokens past the newest
+    checkpoint.
     """
-    if not kind.needs_checkpoints or pos_min < 0 or position <= 0 or position >= prompt_end:
+    if not kind.needs_checkpoints or pos_min < 0 or position <= 0 or position > prompt_end:
         return False
     if checkpoints and checkpoints[-1].n_tokens >= position:
         return False
-    if position == prompt_end - 1:
+    closing = prompt_end_checkpoint(kind, prompt_end)
+    if position == closing:
         return True
+    if position > closing:
+        return False
     last = checkpoints[-1].n_tokens if checkpoints else 0
     return position - last >= rules.min_step
 
 
 def pause_points(
-    kind: MemoryKind, rules: CheckpointRules, start: int, end: int, prompt_end: int, last_checkpoint: int
+    kind: MemoryKind,
+    rules: CheckpointRules,
+    start: int,
+    end: int,
+    prompt_end: int,
+    last_checkpoint: int,
+    n_ubatch: int = 0,
 ) -> list[int]:
     """Positions inside ``(start, end)`` where prompt evaluation pauses so that a checkpoint may be taken.
 
+    Every pause that falls inside one of llama.cpp's micro-batches costs a decode call of its own (a pass over the
+    weights), so on a sliding-window memory, where a checkpoint needs no exact position, the pauses go where
+    llama.cpp splits the batch anyway: every ``n_ubatch`` tokens from ``start``, the first one at least ``min_step``
+    past the newest checkpoint. A recurrent state can only be restored exactly where it was taken: its pauses keep
+    the ``min_step`` grid.
+
     :param last_checkpoint: ``n_tokens`` of the slot's newest checkpoint (0 if none).
+    :param n_ubatch: The context's micro-batch size (0: unknown, the ``min_step`` grid everywhere).
     """
     if not kind.needs_checkpoints or end - start < 2:
         return []
     points: set[int] = set()
     step = max(1, rules.min_step)
-    next_point = max(last_checkpoint, 0) + step
-    while next_point < end:
-        if next_point > start:
-            points.add(next_point)
-        next_point += step
-    if start < prompt_end - 1 < end:
-        points.add(prompt_end - 1)
+    inside = min(end, prompt_end)
+    last = max(last_checkpoint, 0)
+    if kind.recurrent or n_ubatch <= 0:
+        next_point = last + step
+        while next_point < inside:
+            if next_point > start:
+                points.add(next_point)
+            next_point += step
+    else:
+        boundary = start + n_ubatch
+        while boundary < inside:
+            if boundary - last >= step:
+                points.add(boundary)
+                last = boundary
+            boundary += n_ubatch
+    closing = prompt_end_checkpoint(kind, prompt_end)
+    if start < closing < end:
+        points.add(closing)
     return sorted(points)
 
 

@@ -85,7 +85,7 @@ class FakeBackend:
             if self.memory[: min(n, len(self.memory))] != tokens[: min(n, len(self.memory))]:
                 self.corrupted = True
         self.memory = tokens
-        self.window_start = max(window_start, n - self.kind.n_swa) if self.kind.swa else 0
+        self.window_start = max(window_start, n - self.kind.n_swa) if self.kind.swa else 0  # pos_max - n_swa + 1
         return int(buffer.nbytes)
 
     def truncate(self, n_keep: int) -> bool:
@@ -93,7 +93,7 @@ class FakeBackend:
             return True
         if self.kind.recurrent:
             return False
-        if self.kind.swa and self.window_start > max(0, n_keep - self.kind.n_swa):
+        if self.kind.swa and self.window_start > max(0, n_keep - self.kind.n_swa + 1):
             self.corrupted = True
         del self.memory[n_keep:]
         return True

@@ -81,6 +81,8 @@ def run_server(args: list[str], plain: bool = False, env: dict[str, str] | None 
     """Start ``ckpt-serve`` (or ``python -m llama_cpp.server`` if ``plain``) and wait until it answers."""
     port = free_port()
     module = "llama_cpp.server" if plain else "ckpt_plugin_integrations.llama_cpp_server"
+    if plain and "--flash_attn" not in args and "--config_file" not in args:
+        args = [*args, "--flash_attn", "true"]  # ckpt-serve's default: the answers compared are computed alike
     command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--verbose", "false",
                *args]
 

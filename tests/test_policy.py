@@ -11,14 +11,20 @@ from hypothesis import strategies as st
 from ckpt_plugin.checkpoint import Checkpoint, freeze
 from ckpt_plugin.policy import (
     SLOT_BUDGET_SHARE,
+    CheckpointRules,
     Hit,
     LiveMemory,
     MemoryKind,
     best_reuse,
     checkpoints_to_erase,
+    can_truncate,
+    checkpoint_serves,
     common_prefix,
+    pause_points,
     plan_prompt,
+    prompt_end_checkpoint,
     slot_checkpoint_limit,
+    want_checkpoint,
 )
 
 
@@ -131,3 +137,66 @@ def test_a_candidate_that_is_gone_is_skipped() -> None:
     kept = Stored(np.asarray([1, 2, 3], dtype=np.int32), 0)
     plan = plan_prompt(kind, prompt, live, [Hit("disk", 4, lambda: None), Hit("ram", 3, lambda: kept)], 16, 32)
     assert plan.entry is kept and plan.tier == "ram" and plan.n_keep == 3
+
+
+SWA = MemoryKind(n_swa=32)
+RECURRENT = MemoryKind(recurrent=True, attention=False)
+HYBRID = MemoryKind(recurrent=True)
+
+
+def visible_from(kind: MemoryKind, position: int) -> int:
+    """The oldest position the token at ``position`` attends to (llama.cpp: masked when ``p1 - p0 >= n_swa``)."""
+    return max(0, position - kind.n_swa + 1)
+
+
+@given(st.integers(1, 5000), st.integers(0, 5000))
+def test_a_window_is_truncatable_exactly_while_it_holds_what_the_next_token_sees(n_memory: int, n_keep: int) -> None:
+    n_keep = min(n_keep, n_memory - 1)
+    restored_pos_min = SWA.restored_pos_min(0, n_memory - 1)
+    expected = n_keep == 0 or restored_pos_min <= visible_from(SWA, n_keep)  # emptying is always possible
+    assert can_truncate(SWA, n_memory, restored_pos_min, n_keep) == expected
+    # a restored window loses at most its last position
+    assert can_truncate(SWA, n_memory, restored_pos_min, n_memory - 1)
+    assert not can_truncate(SWA, n_memory, restored_pos_min, n_memory - 2) or restored_pos_min == 0 or n_memory == 2
+
+
+@given(st.integers(40, 3000))
+def test_the_closing_checkpoint_serves_the_continuation_and_the_regeneration(prompt_end: int) -> None:
+    for kind in (SWA, RECURRENT, HYBRID):
+        closing = prompt_end_checkpoint(kind, prompt_end)
+        taken = Checkpoint(closing, kind.restored_pos_min(0, closing - 1), closing - 1, True,
+                           freeze(np.zeros(1, dtype=np.uint8)), "fp")
+        # a regeneration keeps at most prompt_end - 1 tokens; a continuation shares prompt_end
+        assert checkpoint_serves(kind, taken, prompt_end - 1) == prompt_end - 1
+        assert checkpoint_serves(kind, taken, prompt_end + 20) == closing
+        assert want_checkpoint(kind, CheckpointRules(min_step=256), [], closing, prompt_end, 0)
+        assert not want_checkpoint(kind, CheckpointRules(min_step=256), [], prompt_end + 1, prompt_end, 0)
+    assert prompt_end_checkpoint(SWA, prompt_end) == prompt_end  # no pause: the prompt's last batch ends there
+
+
+@given(st.integers(0, 4000), st.integers(1, 4000), st.integers(0, 200), st.sampled_from([0, 64, 256, 512, 1024]),
+       st.sampled_from([32, 128, 512]))
+def test_window_pauses_fall_on_micro_batch_boundaries(start: int, length: int, extra: int, last: int,
+                                                      n_ubatch: int) -> None:
+    end = start + length
+    prompt_end = end - min(extra, length - 1)
+    last = min(last, start)
+    rules = CheckpointRules(min_step=256)
+    points = pause_points(SWA, rules, start, end, prompt_end, last, n_ubatch)
+    assert points == sorted(set(points)) and all(start < p < end for p in points)
+    for p in points:
+        if p != prompt_end:
+            assert (p - start) % n_ubatch == 0 and p < prompt_end  # no decode call beyond llama.cpp's own splits
+    spaced = [last, *[p for p in points if p != prompt_end]]
+    assert all(b - a >= rules.min_step for a, b in zip(spaced, spaced[1:]))
+    # no stretch of the prompt longer than min_step + n_ubatch goes without a pause
+    marks = [max(start, last), *points, prompt_end]
+    assert all(b - a < rules.min_step + n_ubatch for a, b in zip(marks, marks[1:]) if b <= prompt_end)
+
+
+@given(st.integers(0, 2000), st.integers(2, 2000), st.sampled_from([16, 64]))
+def test_recurrent_pauses_keep_the_step_grid_and_close_one_token_early(start: int, length: int, step: int) -> None:
+    end = start + length
+    points = pause_points(RECURRENT, CheckpointRules(min_step=step), start, end, end, 0, 512)
+    assert set(range(step, end, step)) & set(range(start + 1, end)) <= set(points)
+    assert (end - 1 in points) == (start < end - 1)
