@@ -148,7 +148,6 @@ class LlamaBackend:
         self.kind = memory_kind(llama)
         self.fingerprint = fingerprint(llama)
         self.n_ctx = int(llama.n_ctx())
-        self.n_ubatch = int(llama_cpp.llama_n_ubatch(llama.ctx))
         self._memory = llama_cpp.llama_get_memory(llama.ctx)
         self._n_vocab = int(llama.n_vocab())
         self.host_logits_all = host.wants_all_logits(llama)

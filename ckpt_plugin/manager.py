@@ -470,8 +470,7 @@ class CheckpointManager:
             prompt_end = end
         # Checkpoints past ``start`` belong to a lineage these tokens may rewrite: space from the valid ones.
         last = max((c.n_tokens for c in slot.checkpoints if c.n_tokens <= start), default=0)
-        n_ubatch = int(getattr(self.backend, "n_ubatch", 0) or 0)
-        bounds = [start, *pause_points(self.kind, self.rules, start, end, prompt_end, last, n_ubatch), end]
+        bounds = [start, *pause_points(self.kind, self.rules, start, end, prompt_end, last), end]
         for a, b in zip(bounds, bounds[1:]):
             if a == b:
                 continue

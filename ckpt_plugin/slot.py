@@ -11,11 +11,7 @@ from .policy import MemoryKind, common_prefix
 
 
 class Backend(Protocol):
-    """What the manager needs from a model context (implemented by :mod:`ckpt_plugin.llama_backend`).
-
-    A backend may also have an ``n_ubatch`` attribute, the context's micro-batch size: checkpoint pauses then fall
-    where llama.cpp splits a batch anyway (see :func:`~ckpt_plugin.policy.pause_points`).
-    """
+    """What the manager needs from a model context (implemented by :mod:`ckpt_plugin.llama_backend`)."""
 
     kind: MemoryKind
     fingerprint: str

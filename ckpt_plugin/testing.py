@@ -183,11 +183,11 @@ def fresh_greedy_tokens(reference: Any, prompt: list[int], n: int, gaps: list[fl
     return greedy_tokens(reference, prompt, n, gaps)
 
 
-def assert_same_answer(got: list[int], want: list[int], gaps: list[float], what: str) -> None:
-    """``got`` equals ``want``, except after a step where the reference itself was within :data:`NOISE` of a tie."""
+def assert_same_answer(got: list[int], want: list[int], gaps: list[float], what: str, noise: float = NOISE) -> None:
+    """``got`` equals ``want``, except after a step where the reference itself was within ``noise`` of a tie."""
     for step, (g, w) in enumerate(zip(got, want)):
         if g != w:
-            assert gaps[step] < NOISE, f"{what}: token {step} is {g}, a fresh context gives {w} (gap {gaps[step]})"
+            assert gaps[step] < noise, f"{what}: token {step} is {g}, a fresh context gives {w} (gap {gaps[step]})"
             return
     assert len(got) == len(want), f"{what}: {len(got)} tokens, a fresh context gives {len(want)}"
 

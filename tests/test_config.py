@@ -66,3 +66,16 @@ def test_sizes() -> None:
         parse_size("12 parsecs")
     with pytest.raises(ValueError):
         CheckpointSettings(cache_max_bytes="-")
+
+
+def test_flash_attention_is_on_unless_flag_environment_or_file_says_otherwise(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    assert load_settings(["--model", str(model)])[1][0].flash_attn is True
+    assert load_settings(["--model", str(model), "--flash_attn", "false"])[1][0].flash_attn is False
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"models": [{"model": str(model), "flash_attn": False}, {"model": str(model)}]}))
+    assert [m.flash_attn for m in load_settings(["--config_file", str(config)])[1]] == [False, True]
+    monkeypatch.setenv("FLASH_ATTN", "false")
+    assert load_settings(["--model", str(model)])[1][0].flash_attn is False

@@ -11,6 +11,11 @@ import pytest
 from servers import model_args, run_server
 
 TOLERANCE = 1e-3
+FLASH_TOLERANCE = 2e-2
+"""With flash attention (ckpt-serve's default) llama.cpp's CPU kernel accumulates attention in F16 over the cache in
+the order it was filled, so logprobs depend on how the cache was filled (one batch, or a restore and a shorter
+batch): up to 9e-3 apart on these models after restores, as for a plain server reusing a prefix. The exactness tests
+run without it (1e-3); the default is checked against a plain server with it, within this."""
 SYSTEM = "the cat and the dog went to the house and it was one of the days " * 6
 KINDS = ["llama", "gemma3", "mamba", "hybrid"]
 
@@ -63,17 +68,17 @@ def shape_pairs(name: str, response: Any) -> list[tuple[str, float | None]]:
     return completion_pairs(response)
 
 
-def assert_same_logprobs(ours: dict[str, Any], plain: dict[str, Any]) -> None:
+def assert_same_logprobs(ours: dict[str, Any], plain: dict[str, Any], tolerance: float = TOLERANCE) -> None:
     for name in plain:
         got, want = shape_pairs(name, ours[name]), shape_pairs(name, plain[name])
         assert [t for t, _ in got] == [t for t, _ in want] and want, name
         for (_, a), (_, b) in zip(got, want):
-            assert (a is None and b is None) or abs(a - b) <= TOLERANCE, (name, a, b)
+            assert (a is None and b is None) or abs(a - b) <= tolerance, (name, a, b)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_request_shape_equals_plain_server_after_restores(tiny_model: Any, kind: str) -> None:
-    args = model_args(tiny_model(kind), logits_all="true")
+    args = model_args(tiny_model(kind), logits_all="true", flash_attn="false")
     with run_server(args + ["--checkpoint-min-step", "16"]) as ours, run_server(args, plain=True) as plain:
         warm_up(ours)
         warm_up(plain)
@@ -82,9 +87,19 @@ def test_every_request_shape_equals_plain_server_after_restores(tiny_model: Any,
         assert ours.metric("cache_hits_total") + ours.metric("checkpoints_restored_total") > 0
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "hybrid"])
+def test_default_flash_attention_logprobs_close_to_plain_server(tiny_model: Any, kind: str) -> None:
+    args = model_args(tiny_model(kind), logits_all="true")  # ckpt-serve's default; run_server gives plain the same
+    with run_server(args + ["--checkpoint-min-step", "16"]) as ours, run_server(args, plain=True) as plain:
+        warm_up(ours)
+        warm_up(plain)
+        assert_same_logprobs(requests(client(ours)), requests(client(plain)), FLASH_TOLERANCE)
+        assert ours.metric("cache_hits_total") + ours.metric("checkpoints_restored_total") > 0
+
+
 def test_logprobs_after_disk_tier_and_slot_file_restores(tiny_model: Any, tmp_path: Any) -> None:
     path = tiny_model("gemma3")
-    args = model_args(path, logits_all="true")
+    args = model_args(path, logits_all="true", flash_attn="false")
     ours_args = args + ["--checkpoint-disk-dir", str(tmp_path / "disk"), "--slot-save-path", str(tmp_path / "slots"),
                         "--checkpoint-min-step", "16"]
     with run_server(args, plain=True) as plain:

@@ -107,6 +107,12 @@ def test_recurrent_targets_are_refused(make_llama: Any) -> None:
         enable_speculative(target, manager, make_llama("mamba"))
 
 
+GEMMA_NOISE = 0.3
+"""Gemma-3-270M Q4_K_M's top-2 logit gap moves by up to 0.26 when the same 201-token prompt is decoded in other
+batches (one batch against 150 + 51, 199 + 1 or 120 + 81; measured on AVX2 and AVX-512 builds alike), far more than
+on the tiny test models: near-ties below this may go either way."""
+
+
 @pytest.mark.gemma
 def test_gemma_is_its_own_draft(gemma_path: Any) -> None:
     """Gemma-3-270M drafting for itself gives the answers of plain greedy decoding, across a cache switch."""
@@ -123,7 +129,7 @@ def test_gemma_is_its_own_draft(gemma_path: Any) -> None:
     for prompt in (first, other, first + body[1:9]):
         gaps: list[float] = []
         want = fresh_greedy_tokens(reference, prompt, 12, gaps)
-        assert_same_answer(greedy_tokens(target, prompt, 12), want, gaps, f"gemma {len(prompt)}")
+        assert_same_answer(greedy_tokens(target, prompt, 12), want, gaps, f"gemma {len(prompt)}", GEMMA_NOISE)
     assert draft.acceptance > 0.3 and manager.counters.cache_hits >= 1
     for llama in (target, reference, draft.llama):
         llama.close()
