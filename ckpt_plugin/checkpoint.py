@@ -17,6 +17,8 @@ from typing import Iterator, Literal
 
 import numpy as np
 
+from .spare_pages import SPARE_MAPPER
+
 StateBuffer = np.ndarray
 """A read-only, C-contiguous ``uint8`` array holding serialized llama.cpp state."""
 
@@ -35,17 +37,25 @@ class StateBufferPool:
     pages that are already mapped. Memory is never shared between live buffers: a mapping is reused only after every
     view of it died. Unused mappings are kept up to ``max_free_bytes``.
 
-    :ivar reused: Buffers served from recycled mappings.
-    :ivar mapped: Buffers that needed a new mapping.
+    When a buffer needs a new mapping, a spare a little larger is mapped and populated at idle priority
+    (:mod:`ckpt_plugin.spare_pages`), within the same ``max_free_bytes``, so that a growing cache does not pay the
+    kernel's page faults on the request path each time (``spares=False``: never).
+
+    :ivar reused: Buffers served from recycled mappings (spares included).
+    :ivar mapped: Buffers that needed a new mapping on the caller's thread.
+    :ivar spares_mapped: Spares mapped ahead of time.
     """
 
-    def __init__(self, max_free_bytes: int = 256 << 20) -> None:
+    def __init__(self, max_free_bytes: int = 256 << 20, spares: bool = True) -> None:
         self.max_free_bytes = max_free_bytes
+        self.spares = spares
         self._free: list[mmap.mmap] = []
         self._free_bytes = 0
+        self._pending_bytes = 0
         self._lock = threading.Lock()
         self.reused = 0
         self.mapped = 0
+        self.spares_mapped = 0
 
     def allocate(self, n_bytes: int) -> StateBuffer:
         """An uninitialized, writable buffer of ``n_bytes`` bytes (``MemoryError`` when memory is refused)."""
@@ -56,10 +66,11 @@ class StateBufferPool:
         backing = self._take(n_bytes)
         if backing is None:
             try:
-                backing = mmap.mmap(-1, -(-n_bytes // _PAGE) * _PAGE, flags=_MAP_FLAGS)
+                backing = _map(n_bytes)
             except OSError as exc:
                 raise MemoryError(f"cannot map {n_bytes} bytes for a state buffer: {exc}") from exc
             self.mapped += 1
+            self._want_spare(n_bytes + n_bytes // 8)  # the next capture of this kind is usually a little larger
         else:
             self.reused += 1
         buffer = np.frombuffer(memoryview(backing)[:n_bytes], dtype=np.uint8)
@@ -77,6 +88,28 @@ class StateBufferPool:
             self._free.remove(best)
             self._free_bytes -= len(best)
             return best
+
+    def _want_spare(self, n_bytes: int) -> None:
+        if not self.spares:
+            return
+        size = -(-n_bytes // _PAGE) * _PAGE
+        with self._lock:
+            if self._free_bytes + self._pending_bytes + size > self.max_free_bytes:
+                return
+            self._pending_bytes += size
+        SPARE_MAPPER.request(_map, self._add_spare, size)
+
+    def _add_spare(self, backing: mmap.mmap | None, n_bytes: int) -> None:
+        with self._lock:
+            self._pending_bytes -= n_bytes
+            if backing is None:
+                return
+            if self._free_bytes + len(backing) > self.max_free_bytes:
+                backing.close()
+                return
+            self._free.append(backing)
+            self._free_bytes += len(backing)
+            self.spares_mapped += 1
 
     def _give_back(self, backing: mmap.mmap) -> None:
         with self._lock:
@@ -104,6 +137,10 @@ class StateBufferPool:
     def free_bytes(self) -> int:
         """Bytes of mappings kept for reuse."""
         return self._free_bytes
+
+
+def _map(n_bytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, -(-n_bytes // _PAGE) * _PAGE, flags=_MAP_FLAGS)
 
 
 DEFAULT_POOL = StateBufferPool(64 << 20)

@@ -20,6 +20,8 @@ KIND_OPTIONS: dict[str, dict[str, Any]] = {
     "llama": {},
     "gemma3": {"swa_full": False},
     "gemma3-swa-full": {"swa_full": True},
+    # ckpt-serve's default: flash attention (its kernel's rounding depends on how the cache was filled)
+    "gemma3-flash": {"swa_full": False, "flash_attn": True},
     "mamba": {},
     "hybrid": {},
 }

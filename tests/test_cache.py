@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_plugin.cache import CacheEntry, PromptCache, RadixIndex
-from ckpt_plugin.checkpoint import Checkpoint, freeze
+from ckpt_plugin.checkpoint import Checkpoint, StateBufferPool, freeze
 from ckpt_plugin.policy import common_prefix
 
 
@@ -195,3 +198,30 @@ def test_recycled_mappings_stay_within_the_budget() -> None:
         del data, state
         assert cache.state_bytes <= budget
     assert cache.pool.reused > 0  # evicted entries' mappings serve later captures
+
+
+def _wait_for(condition: Any, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(condition())
+
+
+def test_a_new_mapping_leaves_a_spare_for_the_next_capture_within_the_free_allowance() -> None:
+    mib = 1 << 20
+    pool = StateBufferPool(max_free_bytes=8 * mib)
+    held = [pool.allocate(3 * mib)]  # nothing to recycle: mapped on the caller's thread, a spare is queued
+    assert pool.mapped == 1 and _wait_for(lambda: pool.spares_mapped == 1)
+    assert 3 * mib < pool.free_bytes <= 4 * mib
+    held.append(pool.allocate(3 * mib + 4096))  # a little larger, as a growing conversation's next state
+    assert (pool.mapped, pool.reused, pool.free_bytes) == (1, 1, 0)
+    held.append(pool.allocate(7 * mib))  # mapped; its spare (7.9 MiB) still fits the allowance
+    assert _wait_for(lambda: pool.spares_mapped == 2)
+    held.append(pool.allocate(mib))  # mapped; a spare for it would exceed the allowance
+    assert pool.mapped == 3
+    time.sleep(0.2)
+    assert pool.spares_mapped == 2 and pool.free_bytes <= 8 * mib
+    plain = StateBufferPool(spares=False)
+    held.append(plain.allocate(mib))
+    time.sleep(0.2)
+    assert plain.spares_mapped == 0 and plain.free_bytes == 0

@@ -27,7 +27,7 @@ from ckpt_plugin.testing import assert_same_answer, fresh_greedy_tokens, greedy_
 N_GENERATE = 4
 MIN_STEP = 16
 VOCAB = (3, 300)
-KINDS = ["llama", "gemma3", "gemma3-swa-full", "mamba", "hybrid"]
+KINDS = ["llama", "gemma3", "gemma3-swa-full", "gemma3-flash", "mamba", "hybrid"]
 
 
 def greedy(llama: Any, prompt: list[int], n: int = N_GENERATE) -> list[int]:
