@@ -8,7 +8,8 @@ caches hold dummy states. Two kinds of query, 16 of each, cycled:
   exactly one entry holds the longest prefix;
 - new conversation: the system prompt, then new tokens (every entry shares exactly the system prompt with it).
 
-Timed, side by side on the same Python ``list`` key (what ``Llama.__call__`` passes to ``self.cache[...]``):
+Timed, side by side on the same Python ``list`` key (what ``Llama.__call__`` passes to ``self.cache[...]``), made
+anew from the query right before each call, outside the timing, as the host's tokenizer makes it:
 
 - ``LlamaRAMCache[key]``: ``_find_longest_prefix_key``, a Python scan over every key;
 - ``HostPromptCache[key]``: ckpt_plugin's ``BaseLlamaCache`` view (what an attached ``Llama`` uses), list -> int32
@@ -154,21 +155,29 @@ def agree(queries: Queries, ram: LlamaRAMCache, host: HostPromptCache) -> bool:
 # measurement
 
 
-L2_SWEEP = np.zeros(8 << 20, dtype=np.uint8)  # twice this machine's per-core L2
+CACHE_SWEEP = np.zeros(64 << 20, dtype=np.uint8)  # twice this machine's L3 (32 MiB; L2 2 MiB per core)
 
 
-def evict_l2() -> None:
-    L2_SWEEP.fill(1)
+def evict_caches() -> None:
+    """Push the lookup's data out of L2 and L3, as a decode streaming the model's weights does between lookups."""
+    CACHE_SWEEP.fill(1)
 
 
-def cycling(queries: list[Any], lookup: Callable[[Any], object], sweep: bool = False) -> Case:
-    """A case looking up the next query each call; picking it (and the optional L2 sweep) is not timed."""
+def cycling(queries: list[np.ndarray], lookup: Callable[[Any], object], sweep: bool = False,
+            as_list: bool = False) -> Case:
+    """A case looking up the next query each call; picking it (and the optional cache sweep) is not timed.
+
+    ``as_list``: the key is a new Python list made from the query right before the call (after the sweep), as
+    ``Llama.tokenize`` makes one right before the host's ``self.cache[...]``: its int objects are new, and in the
+    CPU caches, as on a server (a list built once and reused would be scattered and cold after the sweeps).
+    """
     order = itertools.cycle(queries)
 
     def setup() -> Any:
         if sweep:
-            evict_l2()
-        return next(order)
+            evict_caches()
+        query = next(order)
+        return query.tolist() if as_list else query
 
     return Case(setup=setup, run=lookup)
 
@@ -181,11 +190,11 @@ class SizeResult:
 
 
 CONTINUING, NEW = "continuing", "new conversation"
-RAM, HOST, HOST_L2, INDEX_L2, INDEX_WARM = (
+RAM, HOST, HOST_COLD, INDEX_COLD, INDEX_WARM = (
     "LlamaRAMCache[key]",
     "HostPromptCache[key]",
-    "HostPromptCache[key], L2 swept",
-    "PromptCache.lookup, L2 swept",
+    "HostPromptCache[key], caches swept",
+    "PromptCache.lookup, caches swept",
     "PromptCache.lookup, warm",
 )
 
@@ -199,12 +208,12 @@ def measure_size(n_entries: int, rounds: int, rng: np.random.Generator) -> SizeR
     ram, host = ram_cache(workload), host_cache(workload)
     cases: dict[str, Case] = {}
     for kind, queries in ((CONTINUING, workload.continuing), (NEW, workload.new)):
-        keys = queries.keys
-        cases[case_name(kind, RAM)] = cycling(keys, lambda key: ram[key])
+        arrays = queries.arrays
+        cases[case_name(kind, RAM)] = cycling(arrays, lambda key: ram[key], as_list=True)
         if kind == CONTINUING:  # right after the scan, while the CPU caches hold the RAM cache's keys
-            cases[case_name(kind, HOST)] = cycling(keys, lambda key: host[key])
-        cases[case_name(kind, HOST_L2)] = cycling(keys, lambda key: host[key], sweep=True)
-        cases[case_name(kind, INDEX_L2)] = cycling(
+            cases[case_name(kind, HOST)] = cycling(arrays, lambda key: host[key], as_list=True)
+        cases[case_name(kind, HOST_COLD)] = cycling(arrays, lambda key: host[key], sweep=True, as_list=True)
+        cases[case_name(kind, INDEX_COLD)] = cycling(
             queries.arrays, lambda query: prompt_cache_best(host, query), sweep=True
         )
         # the same query again right away: what the walk costs with everything it touches in the CPU caches
@@ -228,7 +237,7 @@ def plot(results: list[SizeResult], path: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
     for name in results[0].samples:
         style = "-" if name.startswith(CONTINUING) else "--"
-        marker = {RAM: "o", HOST: "s", HOST_L2: "D", INDEX_L2: "^", INDEX_WARM: "v"}[name.split(": ", 1)[1]]
+        marker = {RAM: "o", HOST: "s", HOST_COLD: "D", INDEX_COLD: "^", INDEX_WARM: "v"}[name.split(": ", 1)[1]]
         ax.plot(sizes, [r.samples[name].median * 1e3 for r in results], style, marker=marker, label=name)
     ax.axhline(0.2, color="grey", linewidth=0.8, linestyle=":", label="goal: 0.2 ms")
     ax.set_xscale("log")
@@ -253,7 +262,7 @@ def _growth(results: list[SizeResult], kind: str, what: str) -> str:
 
 
 def _kind_table(report: Report, results: list[SizeResult], kind: str, columns: list[str]) -> None:
-    host = HOST if HOST in columns else HOST_L2
+    host = HOST if HOST in columns else HOST_COLD
     rows = []
     for r in results:
         rows.append([f"{r.n_entries:,}", *(fmt_ms(_median(r, kind, c)) for c in columns),
@@ -269,11 +278,14 @@ def build_report(results: list[SizeResult]) -> Report:
     report.text(
         f"Entries of {ENTRY_TOKENS:,} tokens: a {SYSTEM_TOKENS:,}-token system prompt shared by all, groups of 10 "
         f"(5 at 10 entries) sharing {GROUP_PREFIX[0]:,}-{GROUP_PREFIX[1]:,}-token prefixes, random tails. "
-        f"{N_QUERIES} queries of each kind, cycled. Every case looks up the same Python list key (what `Llama` passes "
-        "to `self.cache[...]`); the cases run in rounds, side by side, in the column order; medians. "
+        f"{N_QUERIES} queries of each kind, cycled. Every case looks up the same key, a Python list (what `Llama` passes "
+        "to `self.cache[...]`) made anew from the query right before each call, outside the timing, as the host's "
+        "tokenizer makes it (a list built once and reused would be scattered and cold after the sweeps); the cases "
+        "run in rounds, side by side, in the column order; medians. "
         "`HostPromptCache[key]` runs right after the `LlamaRAMCache` scan, which has just streamed every key through "
         "the CPU caches (the cold case, as in a server where a decode streams the weights between two lookups); the "
-        "'L2 swept' cases write 8 MB (twice the per-core L2) before each call instead. `PromptCache.lookup` is the "
+        "'caches swept' cases write 64 MB (twice the L3) before each call instead, so that each of them finds "
+        "nothing of the index in the CPU caches, whatever ran before it. `PromptCache.lookup` is the "
         "radix-tree walk alone on an int32 array (no list conversion, no `LlamaState`); its 'warm' case repeats the "
         "query just looked up, so everything the walk touches is in the CPU caches: the algorithmic cost, apart from "
         "cache and TLB misses, which grow with the memory the index spans. 'same answer': both caches "
@@ -281,29 +293,29 @@ def build_report(results: list[SizeResult]) -> Report:
     )
     report.text("**Continuing a cached conversation** (the query shares its group's prefix plus 0-500 tokens with "
                 "exactly one entry):")
-    _kind_table(report, results, CONTINUING, [RAM, HOST, HOST_L2, INDEX_L2, INDEX_WARM])
+    _kind_table(report, results, CONTINUING, [RAM, HOST, HOST_COLD, INDEX_COLD, INDEX_WARM])
     report.text(f"**New conversation** (the query shares only the {SYSTEM_TOKENS:,}-token system prompt, with every "
                 "entry):")
-    _kind_table(report, results, NEW, [RAM, HOST_L2, INDEX_L2, INDEX_WARM])
+    _kind_table(report, results, NEW, [RAM, HOST_COLD, INDEX_COLD, INDEX_WARM])
     first, last = results[0], results[-1]
     for r in (first, last):
         report.figure(
-            f"lookup at {r.n_entries:,} entries, continuing: HostPromptCache (after the scan / L2 swept) vs "
+            f"lookup at {r.n_entries:,} entries, continuing: HostPromptCache (after the scan / caches swept) vs "
             "LlamaRAMCache",
-            f"{fmt_ms(_median(r, CONTINUING, HOST))} / {fmt_ms(_median(r, CONTINUING, HOST_L2))} vs "
+            f"{fmt_ms(_median(r, CONTINUING, HOST))} / {fmt_ms(_median(r, CONTINUING, HOST_COLD))} vs "
             f"{fmt_ms(_median(r, CONTINUING, RAM))} (LlamaRAMCache / HostPromptCache = "
             f"{fmt_ratio(ratio(_median(r, CONTINUING, RAM), _median(r, CONTINUING, HOST)))})",
             "< 0.2 ms" if r is last else "",
         )
     report.figure(
-        f"lookup at {last.n_entries:,} entries, new conversation: HostPromptCache (L2 swept) vs LlamaRAMCache",
-        f"{fmt_ms(_median(last, NEW, HOST_L2))} vs {fmt_ms(_median(last, NEW, RAM))}", "< 0.2 ms",
+        f"lookup at {last.n_entries:,} entries, new conversation: HostPromptCache (caches swept) vs LlamaRAMCache",
+        f"{fmt_ms(_median(last, NEW, HOST_COLD))} vs {fmt_ms(_median(last, NEW, RAM))}", "< 0.2 ms",
     )
     report.figure(
         f"HostPromptCache lookup growth {first.n_entries:,} -> {last.n_entries:,} entries (continuing after scan; "
-        "continuing L2 swept; new conversation L2 swept)",
-        f"{_growth(results, CONTINUING, HOST)}; {_growth(results, CONTINUING, HOST_L2)}; "
-        f"{_growth(results, NEW, HOST_L2)}",
+        "continuing, caches swept; new conversation, caches swept)",
+        f"{_growth(results, CONTINUING, HOST)}; {_growth(results, CONTINUING, HOST_COLD)}; "
+        f"{_growth(results, NEW, HOST_COLD)}",
         "flat in the number of entries",
     )
     report.figure(
