@@ -331,8 +331,11 @@ class HostPromptCache(BaseLlamaCache):
         return self.manager.cache.resident_bytes
 
     def _best(self, key: Sequence[int]) -> CacheEntry | None:
-        prompt = np.asarray(key, dtype=np.int32)
-        candidates = self.manager.cache.lookup(self.manager.current_namespace(), self.manager.fingerprint, prompt)
+        prompt = np.fromiter(key, dtype=np.int32, count=len(key))
+        # The host takes one state: the entries below the point where the prompt leaves the tree all share the same
+        # prefix with it, so one of them is as good as any (no walk through the others' subtrees).
+        candidates = self.manager.cache.lookup(self.manager.current_namespace(), self.manager.fingerprint, prompt,
+                                               max_candidates=1)
         best = max(candidates, key=lambda pair: pair[1], default=None)
         return best[0] if best is not None and best[1] > 0 else None
 
