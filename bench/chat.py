@@ -843,7 +843,11 @@ def markdown(results: dict) -> str:
         "budget); (c) `ckpt-serve` (`python -m ckpt_plugin_integrations.llama_cpp_server`, default checkpoint "
         "settings, `--checkpoint-admin true`); (d) C++ `llama-server -np 1` when on PATH; (e) / (f): (a) / (c) "
         "with `--logits_all false`. All with `--n_ctx 4096 --n_batch 512 --n_ubatch 512 --n_threads 2 "
-        "--n_threads_batch 2 --seed 0 --verbose true`."),
+        "--n_threads_batch 2 --seed 0 --verbose true`; otherwise each server's defaults, flash attention included "
+        "(on in ckpt-serve and in llama-server, whose `-fa auto` turns it on here; off in llama_cpp.server: "
+        "docs/server.md, \"Defaults\"). The llama-cpp-python servers use the wheel scripts/setup.sh builds for this "
+        "machine (AVX-512 kernels where the CPU has them; the llama-server used here reports the same instruction sets: "
+        "`AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1`)."),
         ("The GGUF has no chat template, so every llama-cpp-python server uses its fallback `llama-2` chat format "
         "(the system prompt goes into `<<SYS>>`); the model's replies are poor, but the prompts are identical on every "
         "server, and only TTFT and usage are measured. \"Same reply\" counts identical replies; batch composition "
