@@ -192,12 +192,13 @@ class PromptCache:
         :return: The evicted entries, as ``[(entry, "budget"), ...]``.
         """
         old = self._pins.pop(id(holder), None)
-        fresh = list({id(b): b for b in buffers}.values())
-        self._count(fresh, 0, +1, pin=True)
-        if old is not None:
-            self._count(old[1], 0, -1, pin=True)
+        fresh = {id(b): b for b in buffers}
+        before = {id(b): b for b in old[1]} if old is not None else {}
+        # A slot re-pins after every checkpoint: count only what changed, not every buffer it holds.
+        self._count([b for key, b in fresh.items() if key not in before], 0, +1, pin=True)
+        self._count([b for key, b in before.items() if key not in fresh], 0, -1, pin=True)
         if fresh:
-            self._pins[id(holder)] = (holder, fresh)
+            self._pins[id(holder)] = (holder, list(fresh.values()))
         return self._evict_to_fit(None, select_victims)[1]
 
     @locked

@@ -394,7 +394,7 @@ def checkpoints_to_erase(checkpoints: Sequence[Checkpoint], limit: int) -> list[
             erased.append(kept.pop())
             break
         gaps = [kept[i].n_tokens - (kept[i - 1].n_tokens if i else 0) for i in range(len(kept) - 1)]
-        victim = kept.pop(int(np.argmin(gaps)))
+        victim = kept.pop(min(range(len(gaps)), key=gaps.__getitem__))  # the first smallest, as argmin
         erased.append(victim)
     return erased
 
