@@ -261,6 +261,10 @@ def main() -> None:
         report.figure(f"{workload.library}, {workload.name}: tokens evaluated without / with the plugin",
                       fmt_ratio(ratio(tokens_without, tokens_with)))
     report.text(f"Load average (1 min) at the start: {load_before:.1f}, at the end: {os.getloadavg()[0]:.1f}.")
+    report.text("'same replies': the first round's replies of the two sides are identical. The sides fill their caches "
+                "in different batches (reuse, `swa_full`), which moves Q4_K logits by rounding, so where the model is "
+                "within rounding of a tie they may pick different tokens (docs/correctness.md); the tests compare "
+                "answers with that allowance (tests/test_integration_*.py).")
     report.table(["library", "workload", "tokens evaluated with", "without", "ratio", "time with", "without",
                   "speed-up", "same replies"], rows)
     emit(report, args.json)
