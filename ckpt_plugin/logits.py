@@ -8,8 +8,8 @@ llama.cpp). What a request really reads:
 - completion logprobs (``logprobs`` in completions, ``logprobs``/``top_logprobs`` in chat): the host's ``scores`` rows
   from the last prompt token on, by absolute position;
 - prompt logprobs (``echo`` with ``logprobs``): every row from position 0;
-- a stopping criterion: the latest row, through ``scores[-1]``; with a draft model, whose batches sample several
-  positions, the host hands it rows as far back as the prompt, so every row is kept then;
+- a stopping criterion: the latest row, through ``scores[-1]`` (any row from the last prompt token on, with a draft
+  model, whose batches sample several positions);
 - a draft model's verification: llama.cpp's logits of every position of a generated batch, no ``scores`` rows.
 
 Pure: positions in, decisions out; :mod:`ckpt_plugin.llama_backend` applies them.
@@ -63,9 +63,7 @@ def generation_needs(prompt_end: int, *, logprobs: bool, echo: bool, stopping_cr
     if logprobs:
         rows = 0 if echo else last_prompt
     elif stopping_criteria and draft:
-        # llama-cpp-python 0.3.36 hands the criterion ``_scores[sample_idx - n_tokens]``, which after a draft's
-        # batch points back into the prompt: every row, as the host alone computes them (a rare combination).
-        rows = 0
+        rows = last_prompt
     outputs = rows
     if draft:
         outputs = last_prompt if outputs is None else min(outputs, last_prompt)
