@@ -92,7 +92,7 @@ class StateBufferPool:
     def _want_spare(self, n_bytes: int) -> None:
         if not self.spares:
             return
-        size = -(-n_bytes // _PAGE) * _PAGE
+        size = _mapped_size(n_bytes)
         with self._lock:
             if self._free_bytes + self._pending_bytes + size > self.max_free_bytes:
                 return
@@ -139,8 +139,13 @@ class StateBufferPool:
         return self._free_bytes
 
 
+def _mapped_size(n_bytes: int) -> int:
+    """``n_bytes`` rounded up to whole mapping pages."""
+    return -(-n_bytes // _PAGE) * _PAGE
+
+
 def _map(n_bytes: int) -> mmap.mmap:
-    return mmap.mmap(-1, -(-n_bytes // _PAGE) * _PAGE, flags=_MAP_FLAGS)
+    return mmap.mmap(-1, _mapped_size(n_bytes), flags=_MAP_FLAGS)
 
 
 DEFAULT_POOL = StateBufferPool(64 << 20)
