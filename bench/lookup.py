@@ -13,7 +13,7 @@ anew from the query right before each call, outside the timing, as the host's to
 
 - ``LlamaRAMCache[key]``: ``_find_longest_prefix_key``, a Python scan over every key;
 - ``HostPromptCache[key]``: ckpt_plugin's ``BaseLlamaCache`` view (what an attached ``Llama`` uses), list -> int32
-  array -> radix-tree lookup -> ``SharedLlamaState``;
+  bytes (``struct``) -> radix-tree lookup -> ``SharedLlamaState``;
 - ``PromptCache.lookup``: the radix-tree lookup alone, on an ``int32`` array.
 
 Run: ``.venv/bin/python bench/lookup.py [--quick]``; writes ``docs/lookup.png``.

@@ -167,7 +167,7 @@ class PromptCache:
 
     @locked
     def lookup(
-        self, namespace: str, fingerprint: str, prompt: np.ndarray, max_candidates: int = 8
+        self, namespace: str, fingerprint: str, prompt: np.ndarray | Sequence[int], max_candidates: int = 8
     ) -> list[tuple[CacheEntry, int]]:
         """Candidate entries for ``prompt`` in one partition (see :meth:`RadixIndex.lookup`)."""
         index = self._indexes.get((namespace, fingerprint))

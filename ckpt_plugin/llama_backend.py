@@ -32,6 +32,7 @@ from llama_cpp.llama_speculative import LlamaDraftModel  # noqa: F401  (the base
 
 from . import host_compat as host
 from .cache import CacheEntry, PromptCache
+from .checkpoint import freeze
 from .config import CheckpointSettings
 from .disk_tier import DiskTier
 from .errors import UnsupportedHostError
@@ -292,6 +293,9 @@ class LlamaBackend:
             host.set_evaluated_prefix(llama, llama.input_ids, 0)
 
 
+_NO_SCORES = freeze(np.empty((0, 0), dtype=np.single))
+
+
 class SharedLlamaState(LlamaState):
     """A ``LlamaState`` that references an immutable prompt-cache entry instead of copying the state.
 
@@ -302,7 +306,7 @@ class SharedLlamaState(LlamaState):
     def __init__(self, entry: CacheEntry, seed: int) -> None:
         self.entry = entry
         self.input_ids = entry.tokens
-        self.scores = np.empty((0, 0), dtype=np.single)
+        self.scores = _NO_SCORES
         self.n_tokens = entry.n_tokens
         self.llama_state = memoryview(entry.state.target)
         self.llama_state_size = int(entry.state.target.nbytes)
@@ -331,10 +335,9 @@ class HostPromptCache(BaseLlamaCache):
         return self.manager.cache.resident_bytes
 
     def _best(self, key: Sequence[int]) -> CacheEntry | None:
-        prompt = np.fromiter(key, dtype=np.int32, count=len(key))
         # The host takes one state: the entries below the point where the prompt leaves the tree all share the same
         # prefix with it, so one of them is as good as any (no walk through the others' subtrees).
-        candidates = self.manager.cache.lookup(self.manager.current_namespace(), self.manager.fingerprint, prompt,
+        candidates = self.manager.cache.lookup(self.manager.current_namespace(), self.manager.fingerprint, key,
                                                max_candidates=1)
         best = max(candidates, key=lambda pair: pair[1], default=None)
         return best[0] if best is not None and best[1] > 0 else None

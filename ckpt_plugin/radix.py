@@ -1,17 +1,23 @@
 """A compressed radix tree over token ids: the index of every tier of the prompt cache.
 
-A lookup walks the prompt once along the tree (a few vectorized edge comparisons) whatever the number of entries.
-Indexed items only need their ``tokens`` and a ``_node`` slot where the index keeps their place.
+A lookup walks the prompt once along the tree whatever the number of entries. Edges and prompts are compared as
+native ``int32`` bytes: a whole edge is one ``memcmp`` (``bytes.startswith``), and where the prompt leaves an edge a
+binary search of such comparisons finds the token, so a lookup runs no per-token Python code and no numpy call
+(with the CPU caches cold, as between two decodes, each numpy call costs microseconds). A prompt given as a Python
+list, as the host's tokenizer makes it, is packed once by ``struct``, the fastest conversion CPython has for it.
+Edges are copies of their tokens (4 bytes per token, against megabytes per entry's state). Indexed items only need
+their ``tokens`` and a ``_node`` slot where the index keeps their place.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Generic, Iterator, Protocol, TypeVar
+import struct
+from typing import Any, Generic, Iterator, Protocol, Sequence, TypeVar
 
 import numpy as np
 
-from .policy import common_prefix
+TOKEN = 4  # bytes per token id (int32)
 
 
 class Indexed(Protocol):
@@ -24,12 +30,37 @@ class Indexed(Protocol):
 T = TypeVar("T", bound=Indexed)
 
 
+def token_bytes(tokens: np.ndarray | Sequence[int] | bytes) -> bytes:
+    """``tokens`` as native ``int32`` bytes, the form the index compares."""
+    if isinstance(tokens, bytes):
+        return tokens
+    if isinstance(tokens, np.ndarray):
+        return np.asarray(tokens, dtype=np.int32).tobytes()
+    return struct.pack(f"{len(tokens)}i", *tokens)
+
+
+def common_tokens(edge: bytes, key: bytes, offset: int) -> int:
+    """Tokens ``edge`` shares with ``key`` from byte ``offset`` on."""
+    if key.startswith(edge, offset):
+        return len(edge) // TOKEN
+    # The prefix of ``lo`` tokens matches, the prefix of ``hi`` tokens does not.
+    lo, hi = 0, min(len(edge), len(key) - offset) // TOKEN + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if key.startswith(edge[: mid * TOKEN], offset):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class _Node(Generic[T]):
     __slots__ = ("edge", "children", "entry", "parent")
 
-    def __init__(self, edge: np.ndarray, parent: _Node[T] | None) -> None:
+    def __init__(self, edge: bytes, parent: _Node[T] | None) -> None:
         self.edge = edge
-        self.children: dict[int, _Node[T]] = {}
+        # Keyed by the first token's bytes: the prompt's own bytes are looked up without decoding them.
+        self.children: dict[bytes, _Node[T]] = {}
         self.entry: T | None = None
         self.parent = parent
 
@@ -38,24 +69,24 @@ class RadixIndex(Generic[T]):
     """A compressed radix tree mapping token sequences to entries."""
 
     def __init__(self) -> None:
-        self.root: _Node[T] = _Node(np.empty(0, dtype=np.int32), None)
+        self.root: _Node[T] = _Node(b"", None)
         self.size = 0
 
     def insert(self, entry: T) -> T | None:
         """Index ``entry``; return the entry it replaces (same tokens), if any."""
-        node, tokens, i = self.root, entry.tokens, 0
-        while i < len(tokens):
-            child = node.children.get(int(tokens[i]))
+        node, key, offset = self.root, token_bytes(entry.tokens), 0
+        while offset < len(key):
+            first = key[offset : offset + TOKEN]
+            child = node.children.get(first)
             if child is None:
-                leaf = _Node(tokens[i:], node)
-                node.children[int(tokens[i])] = leaf
+                leaf = _Node(key[offset:], node)
+                node.children[first] = leaf
                 node = leaf
-                i = len(tokens)
                 break
-            n = common_prefix(child.edge, tokens[i:])
-            if n < len(child.edge):
+            n = common_tokens(child.edge, key, offset)
+            if n * TOKEN < len(child.edge):
                 child = self._split(child, n)
-            node, i = child, i + n
+            node, offset = child, offset + n * TOKEN
         replaced = node.entry
         if replaced is not None:
             replaced._node = None
@@ -69,11 +100,11 @@ class RadixIndex(Generic[T]):
     def _split(node: _Node[T], n: int) -> _Node[T]:
         parent = node.parent
         assert parent is not None
-        middle = _Node(node.edge[:n], parent)
-        parent.children[int(node.edge[0])] = middle
-        node.edge = node.edge[n:]
+        middle = _Node(node.edge[: n * TOKEN], parent)
+        parent.children[node.edge[:TOKEN]] = middle
+        node.edge = node.edge[n * TOKEN :]
         node.parent = middle
-        middle.children[int(node.edge[0])] = node
+        middle.children[node.edge[:TOKEN]] = node
         return middle
 
     def remove(self, entry: T) -> None:
@@ -86,13 +117,13 @@ class RadixIndex(Generic[T]):
         self.size -= 1
         while node.parent is not None and node.entry is None and not node.children:
             parent = node.parent
-            del parent.children[int(node.edge[0])]
+            del parent.children[node.edge[:TOKEN]]
             node = parent
         if node.parent is not None and node.entry is None and len(node.children) == 1:
             (only,) = node.children.values()
-            only.edge = np.concatenate((node.edge, only.edge))
+            only.edge = node.edge + only.edge
             only.parent = node.parent
-            node.parent.children[int(only.edge[0])] = only
+            node.parent.children[only.edge[:TOKEN]] = only
 
     def ancestors(self, entry: T) -> Iterator[T]:
         """Entries whose tokens are a strict prefix of ``entry``'s, deepest first."""
@@ -102,39 +133,39 @@ class RadixIndex(Generic[T]):
                 yield node.entry
             node = node.parent
 
-    def lookup(self, prompt: np.ndarray, max_candidates: int = 8) -> list[tuple[T, int]]:
+    def lookup(self, prompt: np.ndarray | Sequence[int] | bytes, max_candidates: int = 8) -> list[tuple[T, int]]:
         """Entries sharing the longest prefixes with ``prompt``, as ``(entry, common prefix length)``.
 
         Returns the deepest entry that is a prefix of ``prompt`` and up to ``max_candidates`` entries below the point
         where ``prompt`` leaves the tree (they all share exactly that many tokens with it), nearest first.
+
+        :param prompt: Token ids: an array, a sequence of ints, or :func:`token_bytes` of them.
         """
-        node, i = self.root, 0
+        key = token_bytes(prompt)
+        node, offset = self.root, 0
         prefix_entry: tuple[T, int] | None = None
         stop: _Node | None = None
         while True:
             if node.entry is not None:
-                prefix_entry = (node.entry, i)
-            if i >= len(prompt):
-                stop = node
-                break
-            child = node.children.get(int(prompt[i]))
+                prefix_entry = (node.entry, offset // TOKEN)
+            child = node.children.get(key[offset : offset + TOKEN]) if offset < len(key) else None
             if child is None:
                 stop = node
                 break
-            # The first token matched through the dict key; one-token edges (common near branch points) need no more.
-            n = 1 if len(child.edge) == 1 else common_prefix(child.edge, prompt[i:])
+            n = common_tokens(child.edge, key, offset) * TOKEN
             if n < len(child.edge):
-                i += n
+                offset += n
                 stop = child
                 break
-            node, i = child, i + n
+            node, offset = child, offset + n
         found: list[tuple[T, int]] = []
+        shared = offset // TOKEN
         frontier = [stop]
         while frontier and len(found) < max_candidates:
             nxt: list[_Node] = []
             for current in frontier:
                 if current.entry is not None and (prefix_entry is None or current.entry is not prefix_entry[0]):
-                    found.append((current.entry, i))
+                    found.append((current.entry, shared))
                 # Every subtree holds an entry, so a few children per node are enough: no scan of wide nodes.
                 nxt.extend(itertools.islice(current.children.values(), max_candidates))
             frontier = nxt
