@@ -47,6 +47,7 @@ from _common import (
 from llama_cpp import Llama
 
 import ckpt_plugin
+from ckpt_plugin.spare_pages import SPARE_MAPPER
 
 PROMPT_TOKENS = 1500
 ROTATING = "raw get partial, new np.empty per call, oldest of 32 freed"
@@ -149,6 +150,9 @@ def fill_to_limit(manager: ckpt_plugin.CheckpointManager, kept: collections.dequ
         manager.checkpoint()
     while len(kept) < (kept.maxlen or 0):
         kept.append(_get_into_fresh(ctx, n_bytes, True))
+    # The spares mapped while the slot grew are populated at idle priority on the other core; let them finish,
+    # so that their page faults do not share the memory bus with the steady state measured next.
+    SPARE_MAPPER.wait_idle(30)
 
 
 def measure_capture(c: Context, repeats: int) -> dict[str, Samples]:

@@ -121,7 +121,8 @@ class PromptCache:
         # id(buffer) -> [entry references, pin references, buffer]; holding the buffer keeps its id unique.
         self._buffers: dict[int, list] = {}
         # id(holder) -> (holder, its pinned buffers)
-        self._pins: dict[int, tuple[object, list[StateBuffer]]] = {}
+        # holder id -> (holder, {buffer id: [buffer, references]})
+        self._pins: dict[int, tuple[object, dict[int, list[Any]]]] = {}
         self.resident_bytes = 0
         self.n_tokens = 0
         self._lock = threading.RLock()
@@ -187,18 +188,54 @@ class PromptCache:
 
         A slot pins the buffers it holds outside the cache (its checkpoints, its last full capture), so the budget
         bounds them too. Pinned buffers are never evicted: if they alone exceed the budget, every entry goes and the
-        holder is expected to hold less. Pinning nothing releases the holder.
+        holder is expected to hold less. Pinning nothing releases the holder. A buffer listed several times is
+        counted once and stays pinned until :meth:`pin_changes` has released it as many times.
 
         :return: The evicted entries, as ``[(entry, "budget"), ...]``.
         """
-        old = self._pins.pop(id(holder), None)
-        fresh = {id(b): b for b in buffers}
-        before = {id(b): b for b in old[1]} if old is not None else {}
-        # A slot re-pins after every checkpoint: count only what changed, not every buffer it holds.
-        self._count([b for key, b in fresh.items() if key not in before], 0, +1, pin=True)
-        self._count([b for key, b in before.items() if key not in fresh], 0, -1, pin=True)
+        held = self._pins.pop(id(holder), (holder, {}))[1]
+        fresh: dict[int, list[Any]] = {}
+        for buffer in buffers:
+            fresh.setdefault(id(buffer), [buffer, 0])[1] += 1
+        # A slot re-pins after every change: count only what changed, not every buffer it holds.
+        self._count([ref[0] for key, ref in fresh.items() if key not in held], 0, +1, pin=True)
+        self._count([ref[0] for key, ref in held.items() if key not in fresh], 0, -1, pin=True)
         if fresh:
-            self._pins[id(holder)] = (holder, list(fresh.values()))
+            self._pins[id(holder)] = (holder, fresh)
+        return self._evict_to_fit(None, select_victims)[1]
+
+    @locked
+    def pin_changes(self, holder: object, added: Sequence[StateBuffer], released: Sequence[StateBuffer],
+                    select_victims: Victims | None = None) -> list[tuple[CacheEntry, str]]:
+        """Pin ``added`` and release ``released`` (one reference each) for ``holder``, evicting entries to fit.
+
+        The same as :meth:`pin` with the holder's whole new list, without walking what did not change: a slot that
+        takes a checkpoint and erases one passes those two, not its dozens of others. A released buffer the holder
+        does not pin is skipped (a hook may take a checkpoint before the slot re-pinned what it adopted; the next
+        :meth:`pin` counts it all again).
+        """
+        held = self._pins.setdefault(id(holder), (holder, {}))[1]
+        pinned = []
+        for buffer in added:
+            ref = held.get(id(buffer))
+            if ref is None:
+                held[id(buffer)] = [buffer, 1]
+                pinned.append(buffer)
+            else:
+                ref[1] += 1
+        unpinned = []
+        for buffer in released:
+            ref = held.get(id(buffer))
+            if ref is None:
+                continue
+            ref[1] -= 1
+            if ref[1] == 0:
+                del held[id(buffer)]
+                unpinned.append(buffer)
+        if not held:
+            del self._pins[id(holder)]
+        self._count(pinned, 0, +1, pin=True)
+        self._count(unpinned, 0, -1, pin=True)
         return self._evict_to_fit(None, select_victims)[1]
 
     @locked

@@ -30,9 +30,11 @@ from .hooks import PROJECT_NAME
 from .policy import (
     CheckpointRules,
     LiveMemory,
+    PartialSizes,
     Plan,
     checkpoints_to_erase,
     default_min_step,
+    partial_cells,
     pause_points,
     plan_prompt,
     slot_checkpoint_limit,
@@ -89,6 +91,7 @@ class CheckpointManager:
         self.last_restore_seconds = 0.0
         self.counters = Counters()
         self._full_capture: tuple[int, Checkpoint] | None = None
+        self._partial_sizes = PartialSizes()
         self._loaded_from_cache = -1
         self.plugins = pluggy.PluginManager(PROJECT_NAME)
         self.plugins.add_hookspecs(hooks)
@@ -138,7 +141,14 @@ class CheckpointManager:
 
     def _capture(self, partial: bool) -> Checkpoint | None:
         slot = self.slot
-        size = int(self.backend.state_size(partial))
+        pos_min, pos_max = int(self.backend.pos_min()), int(self.backend.pos_max())
+        cells = partial_cells(self.kind, pos_min, pos_max)
+        expected = self._partial_sizes.expected(cells) if partial else None
+        if expected is None:
+            size = int(self.backend.state_size(partial))
+            self.counters.state_size_queries += 1
+        else:
+            size = expected
         try:
             buffer = self.cache.pool.allocate(size)
         except MemoryError:
@@ -150,18 +160,25 @@ class CheckpointManager:
             self.hooks.on_capture_failed(slot, expected=size, written=0)
             return None
         written = int(self.backend.read_state(buffer, partial))
+        if expected is not None and written != size:
+            # llama.cpp wrote another size than learned (0 if the buffer was too small): measure from now on.
+            log.info("partial state of %d cells wrote %d bytes, not %d; sizing every capture again", cells, written,
+                     size)
+            self._partial_sizes.distrust()
+            return self._capture(partial)
         if written != size:
             log.warning("state capture wrote %d of %d bytes; no checkpoint taken", written, size)
             self.counters.capture_failures += 1
             self.hooks.on_capture_failed(slot, expected=size, written=written)
             return None
+        if partial and expected is None:
+            self._partial_sizes.learn(cells, size)
         self.counters.bytes_captured += written
         extras: list[ExtraState] = self.hooks.on_checkpoint_capture(slot, n_tokens=slot.n_tokens, partial=partial)
         by_kind = {extra.kind: extra.data for extra in extras}
-        pos_max = int(self.backend.pos_max())
         return Checkpoint(
             n_tokens=slot.n_tokens,
-            pos_min=self.kind.restored_pos_min(int(self.backend.pos_min()), pos_max),
+            pos_min=self.kind.restored_pos_min(pos_min, pos_max),
             pos_max=pos_max,
             partial=partial,
             target=freeze(buffer),
@@ -193,10 +210,12 @@ class CheckpointManager:
         slot.checkpoints.append(checkpoint)
         self.counters.checkpoints_created += 1
         limit = slot_checkpoint_limit(self.settings.max_checkpoints, self.cache.entry_budget, checkpoint.nbytes)
+        released = []
         for victim in checkpoints_to_erase(slot.checkpoints, limit):
             slot.checkpoints.remove(victim)
+            released.extend(victim.buffers())
             self._erased(victim, "limit")
-        self._pin_slot()
+        self.store.pin_changes(slot, list(checkpoint.buffers()), released)
         self.hooks.on_checkpoint_created(slot, checkpoint)
         return checkpoint
 

@@ -73,6 +73,48 @@ class MemoryKind:
         return pos_min
 
 
+def partial_cells(kind: MemoryKind, pos_min: int, pos_max: int) -> int:
+    """How many memory cells a partial capture serializes: what its size depends on.
+
+    A recurrent state is one cell per sequence; a sliding window serializes the cells inside the window (see
+    :meth:`MemoryKind.restored_pos_min`).
+    """
+    if kind.recurrent:
+        return 1
+    if pos_max < 0:
+        return 0
+    return pos_max - kind.restored_pos_min(pos_min, pos_max) + 1
+
+
+class PartialSizes:
+    """Sizes of partial captures by :func:`partial_cells`, learned from llama.cpp's own size answers.
+
+    llama.cpp sizes a state by a dry-run serialization (about 4% of a checkpoint's cost on Gemma-3-270M). A partial
+    state holds a fixed header plus the same bytes per cell, so once one capture of ``n`` cells has been measured,
+    every later capture of ``n`` cells has that size. Every capture still checks the bytes written against it; one
+    mismatch and the sizes are measured again from then on (:meth:`distrust`).
+    """
+
+    def __init__(self, max_known: int = 1 << 16) -> None:
+        self.max_known = max_known
+        self.trusted = True
+        self._sizes: dict[int, int] = {}
+
+    def expected(self, cells: int) -> int | None:
+        """The size of a partial capture of ``cells`` cells, if known."""
+        return self._sizes.get(cells) if self.trusted else None
+
+    def learn(self, cells: int, n_bytes: int) -> None:
+        """Record a measured size (a capture wrote exactly ``n_bytes``)."""
+        if self.trusted and len(self._sizes) < self.max_known:
+            self._sizes[cells] = n_bytes
+
+    def distrust(self) -> None:
+        """A capture wrote another size than expected: measure every size from now on."""
+        self.trusted = False
+        self._sizes.clear()
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointRules:
     """The knobs of checkpoint placement.

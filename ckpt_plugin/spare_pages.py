@@ -28,10 +28,14 @@ class SpareMapper:
         self.name = name
         self._queue: queue.SimpleQueue[tuple[MapFn, Deliver, int]] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._outstanding = 0
         self._thread: threading.Thread | None = None
 
     def request(self, map_fn: MapFn, deliver: Deliver, n_bytes: int) -> None:
         """Queue one mapping of ``n_bytes``; returns at once."""
+        with self._lock:
+            self._outstanding += 1
         self._queue.put((map_fn, deliver, n_bytes))
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
@@ -46,7 +50,22 @@ class SpareMapper:
                 mapping: mmap.mmap | None = map_fn(n_bytes)
             except (OSError, MemoryError):
                 mapping = None
-            deliver(mapping, n_bytes)
+            try:
+                deliver(mapping, n_bytes)
+            finally:
+                with self._lock:
+                    self._outstanding -= 1
+                    if self._outstanding == 0:
+                        self._idle.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every queued mapping has been delivered; ``False`` if ``timeout`` seconds passed first.
+
+        For measurements of a steady state: the spares' page faults run on another CPU, but they share the memory
+        bus with whatever is being measured.
+        """
+        with self._lock:
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
 
 
 def _lowest_priority() -> None:

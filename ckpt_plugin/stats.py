@@ -32,6 +32,7 @@ class Counters:
     forced_reprocess: int = 0
     tokens_reprocessed: int = 0
     capture_failures: int = 0
+    state_size_queries: int = 0
     bytes_captured: int = 0
     bytes_restored: int = 0
     restore_seconds: float = 0.0

@@ -116,6 +116,10 @@ class TieredStore:
         """Count ``holder``'s buffers against the budget (see ``PromptCache.pin``); evictions are reported."""
         self._report(self.ram.pin(holder, buffers, self.events.select_victims))
 
+    def pin_changes(self, holder: object, added: Sequence[StateBuffer], released: Sequence[StateBuffer]) -> None:
+        """Pin ``added`` and release ``released`` for ``holder`` (see ``PromptCache.pin_changes``)."""
+        self._report(self.ram.pin_changes(holder, added, released, self.events.select_victims))
+
     def resize(self, max_bytes: int) -> None:
         """Change the RAM budget, evicting through the owner's victim selection."""
         for entry in self.ram.resize(max_bytes, self.events.select_victims):

@@ -72,9 +72,10 @@ class FakeBackend:
 
     def read_state(self, buffer: np.ndarray, partial: bool) -> int:
         data = self._serialize(partial)
-        n = min(len(buffer), len(data))
-        buffer[:n] = data[:n]
-        return n
+        if len(buffer) < len(data):
+            return 0  # as llama.cpp: a buffer too small fails the whole write
+        buffer[: len(data)] = data
+        return len(data)
 
     def write_state(self, buffer: np.ndarray, partial: bool) -> int:
         values = np.frombuffer(buffer.tobytes(), dtype=np.int32)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 from ckpt_plugin.cache import CacheEntry, PromptCache, RadixIndex
 from ckpt_plugin.checkpoint import Checkpoint, StateBufferPool, freeze
 from ckpt_plugin.policy import common_prefix
+from ckpt_plugin.spare_pages import SPARE_MAPPER
 
 
 def buffer(n: int) -> np.ndarray:
@@ -167,6 +167,31 @@ def test_pinned_buffers_count_against_the_budget_once_and_evict_entries() -> Non
     assert cache.resident_bytes == 1000
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=3), st.lists(st.integers(0, 5), max_size=3)),
+                max_size=12))
+def test_pin_changes_count_as_pinning_the_whole_list(steps: list[tuple[list[int], list[int]]]) -> None:
+    """A holder's references after every add/release step are counted exactly as ``pin`` of its whole list."""
+    pool = [buffer(100 * (i + 1)) for i in range(6)]  # buffer i is 100 * (i + 1) bytes
+    incremental, whole = PromptCache(max_bytes=1 << 20), PromptCache(max_bytes=1 << 20)
+    references: list[int] = []
+    for added, released in steps:
+        references += added
+        held = []  # release only what is held
+        for i in released:
+            if i in references:
+                references.remove(i)
+                held.append(i)
+        released = held
+        incremental.pin_changes("slot", [pool[i] for i in added], [pool[i] for i in released])
+        whole.pin("slot", [pool[i] for i in references])
+        assert incremental.resident_bytes == whole.resident_bytes == sum(100 * (i + 1) for i in set(references))
+    # Releasing what the holder does not pin changes nothing; re-pinning the whole list agrees.
+    incremental.pin_changes("slot", [], [buffer(50)])
+    incremental.pin("slot", [pool[i] for i in references])
+    assert incremental.resident_bytes == whole.resident_bytes
+
+
 def test_pins_larger_than_the_budget_empty_the_cache_and_stay_counted() -> None:
     cache = PromptCache(max_bytes=1600)
     assert cache.insert(entry([1], 1000))[0]
@@ -205,28 +230,21 @@ def test_recycled_mappings_stay_within_the_budget() -> None:
     assert cache.pool.reused > 0  # evicted entries' mappings serve later captures
 
 
-def _wait_for(condition: Any, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(condition())
-
-
 def test_a_new_mapping_leaves_a_spare_for_the_next_capture_within_the_free_allowance() -> None:
     mib = 1 << 20
     pool = StateBufferPool(max_free_bytes=8 * mib)
     held = [pool.allocate(3 * mib)]  # nothing to recycle: mapped on the caller's thread, a spare is queued
-    assert pool.mapped == 1 and _wait_for(lambda: pool.spares_mapped == 1)
+    assert pool.mapped == 1 and SPARE_MAPPER.wait_idle(10) and pool.spares_mapped == 1
     assert 3 * mib < pool.free_bytes <= 4 * mib
     held.append(pool.allocate(3 * mib + 4096))  # a little larger, as a growing conversation's next state
     assert (pool.mapped, pool.reused, pool.free_bytes) == (1, 1, 0)
-    held.append(pool.allocate(7 * mib))  # mapped; its spare (7.9 MiB) still fits the allowance
-    assert _wait_for(lambda: pool.spares_mapped == 2)
+    held.append(pool.allocate(7 * mib))  # mapped; its spare (7.9 MiB, huge pages asked for) fits the allowance
+    assert SPARE_MAPPER.wait_idle(10) and pool.spares_mapped == 2
     held.append(pool.allocate(mib))  # mapped; a spare for it would exceed the allowance
     assert pool.mapped == 3
-    time.sleep(0.2)
+    assert SPARE_MAPPER.wait_idle(10)
     assert pool.spares_mapped == 2 and pool.free_bytes <= 8 * mib
     plain = StateBufferPool(spares=False)
     held.append(plain.allocate(mib))
-    time.sleep(0.2)
+    assert SPARE_MAPPER.wait_idle(10)
     assert plain.spares_mapped == 0 and plain.free_bytes == 0
