@@ -238,7 +238,7 @@ def test_a_new_mapping_leaves_a_spare_for_the_next_capture_within_the_free_allow
     assert 3 * mib < pool.free_bytes <= 4 * mib
     held.append(pool.allocate(3 * mib + 4096))  # a little larger, as a growing conversation's next state
     assert (pool.mapped, pool.reused, pool.free_bytes) == (1, 1, 0)
-    held.append(pool.allocate(7 * mib))  # mapped; its spare (7.9 MiB, huge pages asked for) fits the allowance
+    held.append(pool.allocate(7 * mib))  # mapped; its spare (7.9 MiB) still fits the allowance
     assert SPARE_MAPPER.wait_idle(10) and pool.spares_mapped == 2
     held.append(pool.allocate(mib))  # mapped; a spare for it would exceed the allowance
     assert pool.mapped == 3
