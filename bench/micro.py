@@ -361,7 +361,8 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
         "checkpoints were erased), like the raw case with a new `np.empty` per call. So create / raw "
         f"{fmt_ratio(ratio(create, one_buffer))} = a new buffer per call "
         f"{fmt_ratio(ratio(rotating, one_buffer))} (raw vs raw) x the manager's own work "
-        f"{fmt_ratio(ratio(create, rotating))} (size query, buffer, hooks, bookkeeping)."
+        f"{fmt_ratio(ratio(create, rotating))} (the buffer from the pool, hooks, bookkeeping; a partial state's size "
+        "is learned per window length, so there is no dry-run size query)."
     )
     rp, rf = "raw set partial, same buffer", "raw set full, same buffer"
     report.text("**Restore**")
