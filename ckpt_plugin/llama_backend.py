@@ -244,11 +244,16 @@ class LlamaBackend:
             if kept_from < n:
                 outputs = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(n - first, self._n_vocab))
                 scores[n_past + kept_from : n_past + n] = outputs[kept_from - first :]
+            if needs.latest_row:
+                # Row 0 now holds another position's logits: no leading row is known exact any more.
+                scores[0] = last_logits(self.llama)
+                self._row_tokens = self._row_tokens[:0]
+                return
             if kept_from == 0 and known >= n_past:
                 self._row_tokens = np.concatenate((self._row_tokens[:n_past], chunk))
                 return
         elif needs.latest_row:
-            # Where ``scores[:n_tokens][-1]`` lands, whatever the array's length.
+            # Where ``scores[:n_tokens][0]`` and ``[-1]`` both land: a one-row array.
             scores = self.llama.scores
             scores[min(n_past + n, len(scores)) - 1] = last_logits(self.llama)
         if known > n_past:

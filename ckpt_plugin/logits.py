@@ -8,8 +8,11 @@ llama.cpp). What a request really reads:
 - completion logprobs (``logprobs`` in completions, ``logprobs``/``top_logprobs`` in chat): the host's ``scores`` rows
   from the last prompt token on, by absolute position;
 - prompt logprobs (``echo`` with ``logprobs``): every row from position 0;
-- a stopping criterion: the latest row, through ``scores[-1]`` (any row from the last prompt token on, with a draft
-  model, whose batches sample several positions);
+- a stopping criterion: the latest logits, where llama-cpp-python reads them for it: ``_scores[sample_idx -
+  n_tokens]``, which is row 0 once the last evaluated position is sampled (the host alone hands over the first prompt
+  token's row there; the plugin puts the latest logits in row 0, what ``logits_all=False`` gives, unless row 0 is a
+  prompt row an ``echo`` reads), and with a draft model, whose batches sample several positions, also the rows of
+  the generated positions;
 - a draft model's verification: llama.cpp's logits of every position of a generated batch, no ``scores`` rows.
 
 Pure: positions in, decisions out; :mod:`ckpt_plugin.llama_backend` applies them.
@@ -28,7 +31,8 @@ class LogitsNeeds:
         the last tokens.
     :ivar rows_from: Positions from here on get their logits row written to the host's full-size ``scores`` array
         (by absolute position); ``None``: no rows.
-    :ivar latest_row: The latest logits are written where ``scores[-1]`` reads them (a one-row array will do).
+    :ivar latest_row: The latest logits are also written to row 0, where a stopping criterion reads them (without
+        other rows, a one-row array will do).
     """
 
     outputs_from: int | None = None
@@ -67,7 +71,8 @@ def generation_needs(prompt_end: int, *, logprobs: bool, echo: bool, stopping_cr
     outputs = rows
     if draft:
         outputs = last_prompt if outputs is None else min(outputs, last_prompt)
-    return LogitsNeeds(outputs, rows, stopping_criteria and rows is None)
+    # Row 0 is the criterion's unless an echo reads the prompt's own row 0.
+    return LogitsNeeds(outputs, rows, stopping_criteria and (rows is None or rows > 0))
 
 
 def max_keep(needs: LogitsNeeds, exact_rows: int) -> int | None:

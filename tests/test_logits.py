@@ -166,6 +166,43 @@ def test_a_stopping_criterion_reads_the_latest_logits(make_llama: Any) -> None:
     assert len(seen) == 3 and np.allclose(seen, want, atol=TOLERANCE)
 
 
+@pytest.mark.parametrize("reader", ["logprobs", "draft"])
+def test_a_stopping_criterion_reads_the_latest_logits_with_logprobs_or_a_draft(make_llama: Any, reader: str) -> None:
+    """Where the generation keeps rows (completion logprobs, a draft model's batches) the criterion still gets the
+    logits llama.cpp computed for the position it is asked about, never an unwritten (zero) row."""
+    from llama_cpp import StoppingCriteriaList
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from ckpt_plugin.llama_backend import last_logits
+
+    extra = {"draft_model": LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=4)} if reader == "draft" else {}
+    llama = make_llama("llama", logits_all=True, **extra)
+    reference = make_llama("llama", logits_all=True)
+    ckpt_plugin.attach(llama, load_entrypoints=False)
+    calls: list[tuple[np.ndarray, int, np.ndarray]] = []
+
+    def criterion(input_ids: Any, logits: Any) -> bool:
+        calls.append((np.array(llama.input_ids[: llama.n_tokens]), len(input_ids), np.array(logits, copy=True)))
+        return False
+
+    # A repetitive prompt, so that prompt lookup drafts (and llama.cpp evaluates batches of generated tokens).
+    prompt = CONVERSATION_A[:40] + CONVERSATION_A[1:40]
+    llama.create_completion(prompt, max_tokens=10, temperature=0.0, top_k=1,
+                            logprobs=2 if reader == "logprobs" else None,
+                            stopping_criteria=StoppingCriteriaList([criterion]))
+    assert len(calls) >= 10
+    inside_a_batch = sum(n_ids < len(evaluated) for evaluated, n_ids, _ in calls)
+    assert inside_a_batch > 0 if reader == "draft" else inside_a_batch == 0
+    for evaluated, n_ids, logits in calls:
+        # llama-cpp-python passes the row of the position after ``input_ids`` inside a batch, and at its end the row
+        # the last token was sampled from.
+        n_context = n_ids if n_ids == len(evaluated) else n_ids + 1
+        reference.reset()
+        clear_memory(reference)
+        reference.eval(evaluated[:n_context].tolist())
+        assert np.allclose(logits, last_logits(reference), atol=TOLERANCE)
+
+
 def test_a_chat_without_logprobs_computes_one_prompt_logit_per_batch(make_llama: Any) -> None:
     llama = make_llama("gemma3", logits_all=True, chat_format="chatml")
     manager = ckpt_plugin.attach(llama, checkpoint_min_step=32, load_entrypoints=False)
