@@ -5,6 +5,9 @@ One 1,400-token prompt P, then requests that diverge and come back (4 greedy tok
 
 1. P;  2. P[:1100] + 3 new tokens;  3. P again;  4. P[:600] + 3 new tokens;  5. P again.
 
+A second workload, "shared system prompt": 4 new conversations, each a 1,000-token system prompt S plus 200 tokens
+of its own, one after the other.
+
 Ideal prompt tokens of a request: the prompt tokens after the longest prefix it shares with any state the context
 held after an earlier request (prompt + the generated tokens that were evaluated), at least 1.
 
@@ -83,6 +86,23 @@ def branching_requests(bos: int, vocab: tuple[int, int], seed: int = 0) -> list[
         ("P[:600] + 3 new", p[:600] + random_tokens(rng, 3, vocab)),
         ("back to P", p),
     ]
+
+
+SYSTEM_TOKENS, CONVERSATION_TOKENS, N_CONVERSATIONS = 1000, 200, 4
+
+
+def shared_system_requests(bos: int, vocab: tuple[int, int], seed: int = 1) -> list[tuple[str, list[int]]]:
+    """New conversations on one system prompt, as an agent's sessions: each leaves the others at its end."""
+    rng = np.random.default_rng(seed)
+    system = random_prompt(rng, SYSTEM_TOKENS, vocab, bos)
+    return [(f"S + conversation {i + 1}", system + random_tokens(rng, CONVERSATION_TOKENS, vocab))
+            for i in range(N_CONVERSATIONS)]
+
+
+WORKLOADS: dict[str, Callable[[int, tuple[int, int]], list[tuple[str, list[int]]]]] = {
+    "branching": branching_requests,
+    "shared system prompt": shared_system_requests,
+}
 
 
 def ideal_counts(prompts: list[list[int]], answers: list[list[int]]) -> list[int]:
@@ -238,8 +258,8 @@ def bos_of(cfg: ModelConfig) -> int:
         llama.close()
 
 
-def run_config(cfg: ModelConfig, repeats: int) -> ConfigResult:
-    requests = branching_requests(bos_of(cfg), cfg.vocab)
+def run_config(cfg: ModelConfig, repeats: int, workload: str = "branching") -> ConfigResult:
+    requests = WORKLOADS[workload](bos_of(cfg), cfg.vocab)
     prompts = [prompt for _, prompt in requests]
     names = [WITH, WITHOUT, FRESH]
     runs, stats = [], {}
@@ -288,7 +308,8 @@ def total_row(r: ConfigResult) -> list[str]:
     ]
 
 
-def build_report(results: list[ConfigResult], repeats: int) -> Report:
+def build_report(results: list[ConfigResult], repeats: int,
+                 shared: list[ConfigResult] | None = None) -> Report:
     report = Report("Branching agent: tokens evaluated per request vs the ideal")
     report.text(
         f"One {PROMPT_TOKENS:,}-token prompt P (random ordinary tokens), then P[:1100] + 3 new tokens, P, "
@@ -316,6 +337,27 @@ def build_report(results: list[ConfigResult], repeats: int) -> Report:
         report.figure(f"branching evaluated / ideal, {r.cfg.name} ({r.cfg.memory}): without -> with plugin",
                       f"{fmt_ratio(ratio(sum(r.evaluated(WITHOUT)), sum(r.ideal)))} -> "
                       f"{fmt_ratio(ratio(sum(r.evaluated(WITH)), sum(r.ideal)))}", "<= 1.1 (with plugin)")
+    if shared:
+        report.text(
+            f"**Shared system prompt**: {N_CONVERSATIONS} new conversations, each a {SYSTEM_TOKENS:,}-token system "
+            f"prompt S followed by {CONVERSATION_TOKENS} tokens of its own, one after the other on the same context "
+            "(as an agent's sessions); same columns. Where the live memory cannot be cut back to the end of S (a "
+            "recurrent state, a sliding window that has moved past it), the second conversation restores the "
+            "nearest checkpoint below it and leaves one at S's end (its branch point, docs/design.md), where every "
+            "later conversation restores."
+        )
+        report.table(
+            ["model", "memory", "ideal", "without", "without / ideal", "with", "with / ideal", "= fresh without",
+             "= fresh with", "time with / without"],
+            [total_row(r) for r in shared],
+        )
+        for r in shared:
+            headers, rows = config_table(r)
+            report.text(f"{r.cfg.name} ({r.cfg.memory}); manager: {_manager_summary(r.stats)}")
+            report.table(headers, rows)
+            report.figure(f"shared system prompt, evaluated / ideal, {r.cfg.name}: without -> with plugin",
+                          f"{fmt_ratio(ratio(sum(r.evaluated(WITHOUT)), sum(r.ideal)))} -> "
+                          f"{fmt_ratio(ratio(sum(r.evaluated(WITH)), sum(r.ideal)))}", "")
     return report
 
 
@@ -328,7 +370,8 @@ def _manager_summary(stats: dict[str, Any]) -> str:
 def run(quick: bool = False) -> Report:
     repeats = 1 if quick else 3
     results = [run_config(cfg, repeats) for cfg in CONFIGS]
-    return build_report(results, repeats)
+    shared = [run_config(cfg, repeats, "shared system prompt") for cfg in CONFIGS if cfg.memory != "plain"]
+    return build_report(results, repeats, shared)
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ class DefaultPlugin:
     @hookimpl(trylast=True)
     def checkpoint_wanted(self, manager: CheckpointManager, slot: Slot, position: int, prompt_end: int) -> bool:
         return want_checkpoint(
-            manager.kind, manager.rules, slot.checkpoints, position, prompt_end, manager.backend.pos_min()
+            manager.kind, manager.rules, slot.checkpoints, position, prompt_end, manager.backend.pos_min(),
+            manager.branch_point,
         )
 
     @hookimpl(trylast=True)

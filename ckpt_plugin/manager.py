@@ -32,6 +32,7 @@ from .policy import (
     LiveMemory,
     PartialSizes,
     Plan,
+    branch_point,
     checkpoints_to_erase,
     default_min_step,
     partial_cells,
@@ -62,6 +63,8 @@ class CheckpointManager:
     :param disk: A disk tier to share likewise; by default one in ``settings.disk_dir`` if that is set.
     :param shared: A shared tier (Redis); by default the process's one for ``settings.redis_url`` if that is set.
     :ivar lock: Held by the host-facing layer while a request uses the slot, and by the slot file operations.
+    :ivar branch_point: Where the prompt last prepared leaves the longest prefix it shares with a stored state, when
+        a restore could not serve all of it: a checkpoint is taken there (``policy.branch_point``; 0: none).
     """
 
     def __init__(
@@ -92,6 +95,8 @@ class CheckpointManager:
         self.counters = Counters()
         self._full_capture: tuple[int, Checkpoint] | None = None
         self._partial_sizes = PartialSizes()
+        # Where the prompt being served leaves the longest stored prefix it shares (policy.branch_point; 0: none).
+        self.branch_point = 0
         self._loaded_from_cache = -1
         self.plugins = pluggy.PluginManager(PROJECT_NAME)
         self.plugins.add_hookspecs(hooks)
@@ -408,6 +413,7 @@ class CheckpointManager:
         self.counters.prompts += 1
         just_loaded = self._loaded_from_cache == slot.version
         plan = self.plan(prompt, max_keep)
+        self.branch_point = branch_point(self.kind, self.rules, plan)
         if plan.entry is not None and plan.tier != "ram":
             if plan.tier == "disk":
                 self.counters.disk_hits += 1
@@ -489,7 +495,8 @@ class CheckpointManager:
             prompt_end = end
         # Checkpoints past ``start`` belong to a lineage these tokens may rewrite: space from the valid ones.
         last = max((c.n_tokens for c in slot.checkpoints if c.n_tokens <= start), default=0)
-        bounds = [start, *pause_points(self.kind, self.rules, start, end, prompt_end, last), end]
+        branch = self.branch_point
+        bounds = [start, *pause_points(self.kind, self.rules, start, end, prompt_end, last, branch), end]
         for a, b in zip(bounds, bounds[1:]):
             if a == b:
                 continue
@@ -501,8 +508,14 @@ class CheckpointManager:
             self.counters.tokens_evaluated += len(chunk)
             # The last full capture describes the old memory: do not keep its bytes alive for nothing.
             self._full_capture = None
+            if b == branch and b < end and b < slot.n_lineage and slot.lineage[b] != tokens[b - start]:
+                # The prompt leaves the lineage here: its checkpoints past this point go now rather than with the
+                # next chunk, so that the branch checkpoint is the newest.
+                self._invalidate_after(b)
             if a < prompt_end:
                 self.hooks.on_prompt_processed(slot, start=a, end=b, prompt_end=prompt_end)
+        if start < branch <= end:
+            self.branch_point = 0  # one prompt's, spent by the evaluation that passed it
         self._pin_slot()
 
     # ---------------------------------------------------------------------------------------------------------------

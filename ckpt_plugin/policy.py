@@ -294,6 +294,8 @@ class Plan(Generic[C]):
     :ivar restore_state: Restore ``entry``'s full state first (not when a checkpoint holds the whole state).
     :ivar park_live: Put the live state into the cache first: the plan discards enough of it to be worth keeping.
     :ivar live: What the live memory alone offered (for the forced-reprocess and miss counters).
+    :ivar shared: The longest prefix the prompt shares with the live memory's lineage or any candidate (within the
+        limit), whether or not a restore can serve all of it.
     """
 
     n_keep: int
@@ -303,6 +305,7 @@ class Plan(Generic[C]):
     restore_state: bool
     park_live: bool
     live: Reuse
+    shared: int = 0
 
     @property
     def needs_restore(self) -> bool:
@@ -340,7 +343,9 @@ def plan_prompt(
         limit = max(0, min(limit, max_keep))
     live_reuse = best_reuse(kind, live.lineage, live.n_tokens, live.pos_min, live.checkpoints, prompt, limit)
     best, entry, tier = live_reuse, None, None
+    shared = live_reuse.n_common
     for hit in hits:
+        shared = max(shared, min(hit.n_common, limit))
         if min(hit.n_common, limit) <= best.n_keep:
             continue
         candidate = hit.fetch()
@@ -353,7 +358,23 @@ def plan_prompt(
     kept_live = best.n_keep if entry is None else 0
     park = live.n_tokens - kept_live >= min_discard and live.n_tokens >= min_tokens
     restore_state = entry is not None and not (kind.partial_is_complete and best.checkpoint is not None)
-    return Plan(best.n_keep, entry, tier, best.checkpoint, restore_state, park, live_reuse)
+    return Plan(best.n_keep, entry, tier, best.checkpoint, restore_state, park, live_reuse, shared)
+
+
+def branch_point(kind: MemoryKind, rules: CheckpointRules, plan: Plan) -> int:
+    """Where a checkpoint would let the next prompt with the same prefix restore all of it (0: nowhere).
+
+    The prompt leaves what is stored at ``plan.shared`` (the end of a shared system prompt, an edit's position), and
+    the plan keeps less than that, so the tokens between are evaluated again. A checkpoint where they end serves every
+    later prompt that leaves there too, instead of the nearest ``min_step`` grid point below it. It costs a pause (a
+    decode call of its own) and a checkpoint's bytes, so it is taken only where a later prompt would save at least
+    half a ``min_step`` of evaluation, on a prefix of at least ``min_step`` tokens (not where a chat's next turn
+    shares a few more tokens of the previous reply than the closing checkpoint holds).
+    """
+    step = max(1, rules.min_step)
+    if not kind.needs_checkpoints or plan.shared < step or plan.shared - plan.n_keep < max(1, step // 2):
+        return 0
+    return plan.shared
 
 
 def prompt_end_checkpoint(kind: MemoryKind, prompt_end: int) -> int:
@@ -375,12 +396,13 @@ def want_checkpoint(
     position: int,
     prompt_end: int,
     pos_min: int,
+    branch: int = 0,
 ) -> bool:
     """Whether to take a checkpoint with ``position`` prompt tokens in memory.
 
     Taken only on memories that need checkpoints, never on an empty memory (``pos_min < 0``) nor past the prompt's
-    end. Always at :func:`prompt_end_checkpoint`; elsewhere when at least ``min_step`` tokens past the newest
-    checkpoint.
+    end. Always at :func:`prompt_end_checkpoint` and at the prompt's ``branch`` point (:func:`branch_point`);
+    elsewhere when at least ``min_step`` tokens past the newest checkpoint.
     """
     if not kind.needs_checkpoints or pos_min < 0 or position <= 0 or position > prompt_end:
         return False
@@ -391,12 +413,15 @@ def want_checkpoint(
         return True
     if position > closing:
         return False
+    if position == branch:
+        return True
     last = checkpoints[-1].n_tokens if checkpoints else 0
     return position - last >= rules.min_step
 
 
 def pause_points(
-    kind: MemoryKind, rules: CheckpointRules, start: int, end: int, prompt_end: int, last_checkpoint: int
+    kind: MemoryKind, rules: CheckpointRules, start: int, end: int, prompt_end: int, last_checkpoint: int,
+    branch: int = 0,
 ) -> list[int]:
     """Positions inside ``(start, end)`` where prompt evaluation pauses so that a checkpoint may be taken.
 
@@ -407,17 +432,27 @@ def pause_points(
     one (llama.cpp's batch boundaries) would double the average re-evaluation after an edit.
 
     :param last_checkpoint: ``n_tokens`` of the slot's newest checkpoint (0 if none).
+    :param branch: The prompt's :func:`branch_point` (0 if none), a pause of its own.
     """
     if not kind.needs_checkpoints or end - start < 2:
         return []
     points: set[int] = set()
     step = max(1, rules.min_step)
+    closing = prompt_end_checkpoint(kind, prompt_end)
+    pending_branch = start < branch < min(end, closing)
     next_point = max(last_checkpoint, 0) + step
     while next_point < min(end, prompt_end):
+        if pending_branch and branch <= next_point:
+            # The grid goes on from the branch checkpoint (its spacing is checked from the newest checkpoint).
+            points.add(branch)
+            pending_branch = False
+            next_point = branch + step
+            continue
         if next_point > start:
             points.add(next_point)
         next_point += step
-    closing = prompt_end_checkpoint(kind, prompt_end)
+    if pending_branch:
+        points.add(branch)
     if start < closing < end:
         points.add(closing)
     return sorted(points)

@@ -16,6 +16,7 @@ from ckpt_plugin.policy import (
     LiveMemory,
     MemoryKind,
     best_reuse,
+    branch_point,
     checkpoints_to_erase,
     can_truncate,
     checkpoint_serves,
@@ -128,6 +129,13 @@ def test_plan_is_the_best_of_live_memory_and_candidates_and_fetches_only_what_ca
         assert min(bounds[i], limit) > live_best
     kept_live = plan.n_keep if plan.entry is None else 0
     assert plan.park_live == (n_memory - kept_live >= 3 and n_memory >= 2)
+    # the shared prefix is the longest any base holds, within the limit; a branch point only where it is not kept
+    assert plan.shared == min(max([int(common_prefix(live_stored.tokens, prompt)), *bounds]), limit) >= plan.n_keep
+    rules = CheckpointRules(min_step=data.draw(st.integers(1, 6)))
+    point = branch_point(kind, rules, plan)
+    wanted = (kind.needs_checkpoints and plan.shared - plan.n_keep >= max(1, rules.min_step // 2)
+              and plan.shared >= rules.min_step)
+    assert point == (plan.shared if wanted else 0)
 
 
 def test_a_candidate_that_is_gone_is_skipped() -> None:
@@ -193,3 +201,22 @@ def test_recurrent_pauses_keep_the_step_grid_and_close_one_token_early(start: in
     points = pause_points(RECURRENT, CheckpointRules(min_step=step), start, end, end, 0)
     assert set(range(step, end, step)) & set(range(start + 1, end)) <= set(points)
     assert (end - 1 in points) == (start < end - 1)
+
+
+@given(st.integers(0, 3000), st.integers(2, 3000), st.integers(1, 3000), st.sampled_from([SWA, RECURRENT]))
+def test_a_branch_point_is_a_pause_and_a_checkpoint_and_the_grid_goes_on_from_it(start: int, length: int,
+                                                                              branch: int, kind: MemoryKind) -> None:
+    end = start + length
+    step = 64
+    rules = CheckpointRules(min_step=step)
+    closing = prompt_end_checkpoint(kind, end)
+    points = pause_points(kind, rules, start, end, end, 0, branch)
+    inside = start < branch < closing
+    assert (branch in points) == inside or branch in range(step, end, step)
+    if inside:
+        assert [p for p in points if branch < p < closing] == list(range(branch + step, closing, step))
+        # taken even right after a grid checkpoint; never past the closing one, nor at or below the newest one
+        assert want_checkpoint(kind, rules, [checkpoint(branch - 1)], branch, end, 0, branch)
+        assert not want_checkpoint(kind, rules, [checkpoint(branch - 1)], branch, end, 0, 0) or step == 1
+        assert not want_checkpoint(kind, rules, [checkpoint(branch)], branch, end, 0, branch)
+    assert all(start < p < end for p in points) and points == sorted(set(points))
