@@ -308,6 +308,14 @@ def total_row(r: ConfigResult) -> list[str]:
     ]
 
 
+def totals_table(report: Report, results: list[ConfigResult]) -> None:
+    report.table(
+        ["model", "memory", "ideal", "without", "without / ideal", "with", "with / ideal", "= fresh without",
+         "= fresh with", "time with / without"],
+        [total_row(r) for r in results],
+    )
+
+
 def build_report(results: list[ConfigResult], repeats: int,
                  shared: list[ConfigResult] | None = None) -> Report:
     report = Report("Branching agent: tokens evaluated per request vs the ideal")
@@ -323,11 +331,7 @@ def build_report(results: list[ConfigResult], repeats: int,
         "alive at once slowed each other down by up to 5x here); the whole sequence is repeated "
         f"{repeats} time(s) with the order rotated, and times are medians over the repeats."
     )
-    report.table(
-        ["model", "memory", "ideal", "without", "without / ideal", "with", "with / ideal", "= fresh without",
-         "= fresh with", "time with / without"],
-        [total_row(r) for r in results],
-    )
+    totals_table(report, results)
     for r in results:
         headers, rows = config_table(r)
         report.text(f"**{r.cfg.name}** ({r.cfg.memory}); counts identical across repeats: {_yes(r.counts_stable())}; "
@@ -346,11 +350,7 @@ def build_report(results: list[ConfigResult], repeats: int,
             "nearest checkpoint below it and leaves one at S's end (its branch point, docs/design.md), where every "
             "later conversation restores."
         )
-        report.table(
-            ["model", "memory", "ideal", "without", "without / ideal", "with", "with / ideal", "= fresh without",
-             "= fresh with", "time with / without"],
-            [total_row(r) for r in shared],
-        )
+        totals_table(report, shared)
         for r in shared:
             headers, rows = config_table(r)
             report.text(f"{r.cfg.name} ({r.cfg.memory}); manager: {_manager_summary(r.stats)}")
