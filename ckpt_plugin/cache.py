@@ -120,8 +120,7 @@ class PromptCache:
         self._lru: OrderedDict[int, CacheEntry] = OrderedDict()
         # id(buffer) -> [entry references, pin references, buffer]; holding the buffer keeps its id unique.
         self._buffers: dict[int, list] = {}
-        # id(holder) -> (holder, its pinned buffers)
-        # holder id -> (holder, {buffer id: [buffer, references]})
+        # id(holder) -> (holder, {id(buffer): [buffer, references]})
         self._pins: dict[int, tuple[object, dict[int, list[Any]]]] = {}
         self.resident_bytes = 0
         self.n_tokens = 0

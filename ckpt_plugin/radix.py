@@ -3,8 +3,9 @@
 A lookup walks the prompt once along the tree whatever the number of entries. Edges and prompts are compared as
 native ``int32`` bytes: a whole edge is one ``memcmp`` (``bytes.startswith``), and where the prompt leaves an edge a
 binary search of such comparisons finds the token, so a lookup runs no per-token Python code and no numpy call
-(with the CPU caches cold, as between two decodes, each numpy call costs microseconds). A prompt given as a Python
-list, as the host's tokenizer makes it, is packed once by ``struct``, the fastest conversion CPython has for it.
+after converting the prompt (with the CPU caches cold, as between two decodes, each numpy call costs microseconds).
+A prompt given as a Python list, as the host's tokenizer makes it, is packed once by ``struct``, the fastest
+conversion CPython has for it; an array is converted by one ``tobytes``.
 Edges are copies of their tokens (4 bytes per token, against megabytes per entry's state). Indexed items only need
 their ``tokens`` and a ``_node`` slot where the index keeps their place.
 """
