@@ -295,8 +295,12 @@ class PromptCache:
         The one eviction loop of the cache: insertions, pins and budget changes all go through it, and so through
         the ``select_cache_victims`` selector when one is given.
         """
-        select = select_victims or (lambda entries, missing: list(entries))
         removed: list[tuple[CacheEntry, str]] = []
+        if entry is None and self.resident_bytes <= self.entry_budget and (
+            self.max_tokens is None or self.n_tokens <= self.max_tokens
+        ):
+            return True, removed  # the common case of a pin: nothing to evict
+        select = select_victims or (lambda entries, missing: list(entries))
         while True:
             n_bytes = self.new_bytes(entry) if entry is not None else 0
             n_tokens = entry.n_tokens if entry is not None else 0

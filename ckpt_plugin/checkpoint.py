@@ -9,6 +9,7 @@ llama.cpp directly.
 
 from __future__ import annotations
 
+import collections
 import mmap
 import threading
 import weakref
@@ -51,6 +52,9 @@ class StateBufferPool:
         self.spares = spares
         self._free: list[mmap.mmap] = []
         self._free_bytes = 0
+        # id(weak reference to a live buffer's memoryview) -> (that reference, the buffer's mapping)
+        self._watched: dict[int, tuple[weakref.ref, mmap.mmap]] = {}
+        self._returned: collections.deque[mmap.mmap] = collections.deque()  # freed, not yet in the free list
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self.reused = 0
@@ -73,20 +77,28 @@ class StateBufferPool:
             self._want_spare(n_bytes + n_bytes // 8)  # the next capture of this kind is usually a little larger
         else:
             self.reused += 1
-        buffer = np.frombuffer(memoryview(backing)[:n_bytes], dtype=np.uint8)
-        # buffer.base is the memoryview every derived array keeps alive: when it dies, nothing can see the memory.
-        finalizer = weakref.finalize(buffer.base, self._give_back, backing)
-        finalizer.atexit = False  # at exit the buffer may still be alive: its mapping must not be recycled then
+        buffer = np.frombuffer(backing, dtype=np.uint8, count=n_bytes)
+        # buffer.base is the memoryview (numpy's) every derived array keeps alive: when it dies, nothing can see the
+        # memory.
+        # A plain weak reference rather than weakref.finalize: a third of the cost on the capture path, and it
+        # never fires at exit while the buffer is still alive.
+        watch = weakref.ref(buffer.base, self._released)
+        self._watched[id(watch)] = (watch, backing)
         return buffer
 
     def _take(self, n_bytes: int) -> mmap.mmap | None:
+        """The smallest free mapping that fits ``n_bytes`` without wasting more than a quarter, taken out."""
+        largest = n_bytes + n_bytes // 4 + _PAGE
         with self._lock:
-            fitting = [m for m in self._free if n_bytes <= len(m) <= n_bytes + n_bytes // 4 + _PAGE]
-            if not fitting:
+            self._take_in_returned()
+            best_index, best_size = -1, largest + 1
+            for index, mapping in enumerate(self._free):
+                if n_bytes <= len(mapping) < best_size:
+                    best_index, best_size = index, len(mapping)
+            if best_index < 0:
                 return None
-            best = min(fitting, key=len)
-            self._free.remove(best)
-            self._free_bytes -= len(best)
+            best = self._free.pop(best_index)
+            self._free_bytes -= best_size
             return best
 
     def _want_spare(self, n_bytes: int) -> None:
@@ -111,8 +123,21 @@ class StateBufferPool:
             self._free_bytes += len(backing)
             self.spares_mapped += 1
 
-    def _give_back(self, backing: mmap.mmap) -> None:
-        with self._lock:
+    def _released(self, watch: weakref.ref) -> None:
+        # Runs wherever a buffer's last view dies: on any thread, or in a garbage collection that an allocation
+        # inside this pool's own locked code set off. So it never waits for the lock: the mapping is queued
+        # (deque.append is atomic) and taken in now if the lock is free, else by the next call that holds it.
+        self._returned.append(self._watched.pop(id(watch))[1])
+        if self._lock.acquire(blocking=False):
+            try:
+                self._take_in_returned()
+            finally:
+                self._lock.release()
+
+    def _take_in_returned(self) -> None:
+        """Move returned mappings into the free list (called under the lock)."""
+        while self._returned:
+            backing = self._returned.popleft()
             self._free.append(backing)
             self._free_bytes += len(backing)
             self._trim_locked()
@@ -122,6 +147,7 @@ class StateBufferPool:
         with self._lock:
             if max_free_bytes is not None:
                 self.max_free_bytes = max(0, max_free_bytes)
+            self._take_in_returned()
             self._trim_locked()
 
     def _trim_locked(self) -> None:
@@ -136,7 +162,9 @@ class StateBufferPool:
     @property
     def free_bytes(self) -> int:
         """Bytes of mappings kept for reuse."""
-        return self._free_bytes
+        with self._lock:
+            self._take_in_returned()
+            return self._free_bytes
 
 
 def _mapped_size(n_bytes: int) -> int:
@@ -145,9 +173,7 @@ def _mapped_size(n_bytes: int) -> int:
 
 
 def _map(n_bytes: int) -> mmap.mmap:
-    # 4 KiB pages on purpose: asking for transparent huge pages (MADV_HUGEPAGE) made a growing cache's new mappings
-    # several times slower to populate (the kernel compacts memory to find 2 MiB pages), for no measurable gain in
-    # the copies themselves.
+    # 4 KiB pages on purpose: see "Decisions" in docs/design.md for what transparent huge pages cost and gave.
     return mmap.mmap(-1, _mapped_size(n_bytes), flags=_MAP_FLAGS)
 
 
@@ -162,7 +188,7 @@ def allocate_state_buffer(n_bytes: int, pool: StateBufferPool | None = None) -> 
 
 def freeze(buffer: StateBuffer) -> StateBuffer:
     """Make ``buffer`` read-only in place and return it."""
-    buffer.flags.writeable = False
+    buffer.setflags(write=False)
     return buffer
 
 
@@ -220,8 +246,7 @@ class Checkpoint:
     speculative: StateBuffer | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("target", "draft", "speculative"):
-            buffer = getattr(self, name)
+        for name, buffer in (("target", self.target), ("draft", self.draft), ("speculative", self.speculative)):
             if buffer is not None and buffer.flags.writeable:
                 raise ValueError(f"checkpoint {name} buffer must be frozen read-only before it is shared")
 
@@ -236,4 +261,9 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         """Bytes held by this checkpoint's buffers."""
-        return sum(int(b.nbytes) for b in self.buffers())
+        n_bytes = self.target.nbytes
+        if self.draft is not None:
+            n_bytes += self.draft.nbytes
+        if self.speculative is not None:
+            n_bytes += self.speculative.nbytes
+        return int(n_bytes)

@@ -16,7 +16,6 @@ import time
 from typing import Any, Sequence
 
 import numpy as np
-import pluggy
 
 from . import hooks
 from .cache import CacheEntry, PromptCache
@@ -25,7 +24,7 @@ from .config import CheckpointSettings
 from .default_plugin import DEFAULT_PLUGIN_NAME, DefaultPlugin
 from .disk_tier import DiskTier
 from .errors import CaptureError, IncompatibleStateError, StateRestoreError
-from .hook_relay import HookRelay
+from .hook_relay import HookRelay, ProjectPlugins
 from .hooks import PROJECT_NAME
 from .policy import (
     CheckpointRules,
@@ -98,7 +97,7 @@ class CheckpointManager:
         # Where the prompt being served leaves the longest stored prefix it shares (policy.branch_point; 0: none).
         self.branch_point = 0
         self._loaded_from_cache = -1
-        self.plugins = pluggy.PluginManager(PROJECT_NAME)
+        self.plugins = ProjectPlugins(PROJECT_NAME)
         self.plugins.add_hookspecs(hooks)
         self.plugins.register(DefaultPlugin(), name=DEFAULT_PLUGIN_NAME)
         self.hooks = HookRelay(self.plugins, self)
@@ -180,7 +179,7 @@ class CheckpointManager:
             self._partial_sizes.learn(cells, size)
         self.counters.bytes_captured += written
         extras: list[ExtraState] = self.hooks.on_checkpoint_capture(slot, n_tokens=slot.n_tokens, partial=partial)
-        by_kind = {extra.kind: extra.data for extra in extras}
+        by_kind = {extra.kind: extra.data for extra in extras} if extras else {}
         return Checkpoint(
             n_tokens=slot.n_tokens,
             pos_min=self.kind.restored_pos_min(pos_min, pos_max),

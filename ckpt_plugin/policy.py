@@ -464,6 +464,8 @@ def checkpoints_to_erase(checkpoints: Sequence[Checkpoint], limit: int) -> list[
     The newest is always kept; among the others the one closest to its predecessor goes first, so that the kept
     positions stay spread over the prompt (llama.cpp drops the oldest, losing the deep restore points).
     """
+    if len(checkpoints) <= limit:
+        return []
     kept = list(checkpoints)
     erased: list[Checkpoint] = []
     while len(kept) > max(limit, 0):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import threading
 from typing import Any
 
 import numpy as np
@@ -248,3 +250,35 @@ def test_a_new_mapping_leaves_a_spare_for_the_next_capture_within_the_free_allow
     held.append(plain.allocate(mib))
     assert SPARE_MAPPER.wait_idle(10)
     assert plain.spares_mapped == 0 and plain.free_bytes == 0
+
+
+def test_a_buffer_released_inside_the_pools_own_lock_never_waits_for_it() -> None:
+    """A buffer can die anywhere: in a garbage collection that an allocation inside the pool's locked code sets
+    off, too. Its release then runs inside the pool's lock (held here directly, to make that moment certain) and
+    must not wait for it; the mapping is taken in by the next call."""
+    mib = 1 << 20
+    pool = StateBufferPool(max_free_bytes=64 * mib, spares=False)
+    held = [pool.allocate(5 * mib)]
+
+    def release_under_the_lock() -> None:
+        with pool._lock:
+            held.clear()
+
+    worker = threading.Thread(target=release_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "a buffer released inside the pool's lock deadlocked"
+    assert pool.free_bytes == 5 * mib  # taken in by the next call
+    reused = pool.allocate(5 * mib)
+    assert pool.reused == 1 and reused.nbytes == 5 * mib
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)  # and with collections at every container allocation, the pool keeps working
+    try:
+        for _ in range(100):
+            cycle: list[object] = [pool.allocate(5 * mib)]
+            cycle.append(cycle)
+            del cycle
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    assert pool.free_bytes <= 64 * mib and pool.mapped <= 3
