@@ -81,7 +81,7 @@ class HookRelay:
 
     def on_checkpoint_capture(self, slot: Slot, n_tokens: int, partial: bool) -> list[ExtraState]:
         results = self.call(self._hook.on_checkpoint_capture, slot=slot, n_tokens=n_tokens, partial=partial)
-        return [extra for extra in results if extra is not None]
+        return [extra for extra in results if extra is not None] if results else []
 
     def on_checkpoint_created(self, slot: Slot, checkpoint: Checkpoint) -> None:
         self.call(self._hook.on_checkpoint_created, slot=slot, checkpoint=checkpoint)

@@ -472,9 +472,13 @@ def checkpoints_to_erase(checkpoints: Sequence[Checkpoint], limit: int) -> list[
         if len(kept) == 1:
             erased.append(kept.pop())
             break
-        gaps = [kept[i].n_tokens - (kept[i - 1].n_tokens if i else 0) for i in range(len(kept) - 1)]
-        victim = kept.pop(min(range(len(gaps)), key=gaps.__getitem__))  # the first smallest, as argmin
-        erased.append(victim)
+        victim_index, smallest, previous = 0, None, 0
+        for index in range(len(kept) - 1):
+            gap = kept[index].n_tokens - previous
+            previous = kept[index].n_tokens
+            if smallest is None or gap < smallest:  # the first smallest gap, as argmin
+                victim_index, smallest = index, gap
+        erased.append(kept.pop(victim_index))
     return erased
 
 
