@@ -79,9 +79,8 @@ class StateBufferPool:
             self.reused += 1
         buffer = np.frombuffer(backing, dtype=np.uint8, count=n_bytes)
         # buffer.base is the memoryview (numpy's) every derived array keeps alive: when it dies, nothing can see the
-        # memory.
-        # A plain weak reference rather than weakref.finalize: a third of the cost on the capture path, and it
-        # never fires at exit while the buffer is still alive.
+        # memory. A plain weak reference rather than weakref.finalize: a third of the cost on the capture path, and
+        # it never fires at exit while the buffer is still alive.
         watch = weakref.ref(buffer.base, self._released)
         self._watched[id(watch)] = (watch, backing)
         return buffer
