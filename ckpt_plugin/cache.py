@@ -296,11 +296,6 @@ class PromptCache:
         the ``select_cache_victims`` selector when one is given.
         """
         removed: list[tuple[CacheEntry, str]] = []
-        if entry is None and self.resident_bytes <= self.entry_budget and (
-            self.max_tokens is None or self.n_tokens <= self.max_tokens
-        ):
-            return True, removed  # the common case of a pin: nothing to evict
-        select = select_victims or (lambda entries, missing: list(entries))
         while True:
             n_bytes = self.new_bytes(entry) if entry is not None else 0
             n_tokens = entry.n_tokens if entry is not None else 0
@@ -309,7 +304,8 @@ class PromptCache:
             if missing <= 0 and not over_tokens:
                 return True, removed
             progressed = False
-            for victim in list(select(list(self._lru.values()), max(0, missing))):
+            candidates = list(self._lru.values())
+            for victim in list(select_victims(candidates, max(0, missing)) if select_victims else candidates):
                 if id(victim) not in self._lru:
                     continue  # a selector may name entries the cache no longer holds
                 self.remove(victim)
