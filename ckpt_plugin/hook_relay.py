@@ -19,20 +19,53 @@ if TYPE_CHECKING:
 
 
 class ProjectPlugins(pluggy.PluginManager):
-    """pluggy's plugin manager, counting the call monitors installed (``add_hookcall_monitoring``,
-    ``enable_tracing``), so that the relay knows when a hook without implementations must still be called."""
+    """pluggy's plugin manager, keeping track of the hooks a call can skip: those without implementations, while no
+    call monitor is installed (``add_hookcall_monitoring``, ``enable_tracing``: monitors see every call).
+
+    :ivar idle_hooks: Hook name -> whether it is ``firstresult``, for every hook a call can skip; kept up to date by
+        every registration, unregistration, new hook specification and monitor.
+    """
 
     def __init__(self, project_name: str) -> None:
         super().__init__(project_name)
         self.monitors = 0
+        self.idle_hooks: dict[str, bool] = {}
+
+    def _hooks_changed(self) -> None:
+        idle: dict[str, bool] = {}
+        if not self.monitors:
+            for name, caller in vars(self.hook).items():
+                if isinstance(caller, pluggy.HookCaller) and not caller.get_hookimpls():
+                    idle[name] = _is_firstresult(caller)
+        self.idle_hooks = idle
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        try:
+            return super().register(plugin, name)
+        finally:
+            self._hooks_changed()
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
+        try:
+            return super().unregister(plugin, name)
+        finally:
+            self._hooks_changed()
+
+    def add_hookspecs(self, module_or_class: object) -> None:
+        try:
+            super().add_hookspecs(module_or_class)
+        finally:
+            self._hooks_changed()
 
     def add_hookcall_monitoring(self, before: Any, after: Any) -> Any:
         undo = super().add_hookcall_monitoring(before, after)
         self.monitors += 1
+        self._hooks_changed()
 
         def undo_and_count() -> None:
             undo()
             self.monitors -= 1
+            self._hooks_changed()
 
         return undo_and_count
 
@@ -51,11 +84,12 @@ class HookRelay:
         A hook nobody implements returns what pluggy would (``None`` for a ``firstresult`` hook, else ``[]``) without
         going through pluggy: every checkpoint fires three hooks that usually have no implementation, right after
         a state copy that left the CPU caches cold, where pluggy's argument checks and call loop cost tens of
-        microseconds. Unless a call monitor is installed (:class:`ProjectPlugins` counts them): monitors see every
-        call.
+        microseconds. Unless a call monitor is installed: monitors see every call. :class:`ProjectPlugins` keeps the
+        hooks that can be skipped; with another plugin manager every call goes through pluggy.
         """
-        if not caller.get_hookimpls() and not getattr(self._plugins, "monitors", 1):
-            return None if _is_firstresult(caller) else []
+        firstresult = getattr(self._plugins, "idle_hooks", _NONE_IDLE).get(caller.name)
+        if firstresult is not None:
+            return None if firstresult else []
         try:
             return caller(manager=self._manager, **kwargs)
         except PluginError:
@@ -115,6 +149,9 @@ class HookRelay:
 
     def on_cache_hit(self, slot: Slot, entry: CacheEntry, n_tokens: int) -> None:
         self.call(self._hook.on_cache_hit, slot=slot, entry=entry, n_tokens=n_tokens)
+
+
+_NONE_IDLE: dict[str, bool] = {}
 
 
 def _is_firstresult(caller: pluggy.HookCaller) -> bool:

@@ -169,3 +169,58 @@ def test_hook_recorder_from_the_testing_kit(hook_recorder: HookRecorder) -> None
     assert created[0]["checkpoint"].n_tokens > 0 and created[0]["manager"] is manager
     assert "on_slot_restore" in names
     assert not manager.backend.corrupted
+
+
+def test_a_skipped_hook_is_called_as_soon_as_a_plugin_implements_it_and_skipped_again_after() -> None:
+    manager = fake_manager("recurrent", checkpoint_min_step=4)
+    run_prompt(manager, list(range(3, 30)))
+    assert "on_checkpoint_created" in manager.plugins.idle_hooks
+
+    class Seen:
+        def __init__(self) -> None:
+            self.created: list[Any] = []
+
+        @hookimpl
+        def on_checkpoint_created(self, manager: Any, slot: Any, checkpoint: Any) -> None:
+            self.created.append(checkpoint)
+
+    seen = Seen()
+    manager.plugins.register(seen, name="seen")
+    first = manager.checkpoint()
+    assert seen.created == [first] and "on_checkpoint_created" not in manager.plugins.idle_hooks
+    manager.plugins.unregister(name="seen")
+    manager.checkpoint()
+    assert seen.created == [first] and "on_checkpoint_created" in manager.plugins.idle_hooks
+    manager.plugins.register(seen, name="seen")
+    manager.plugins.set_blocked("seen")  # blocking unregisters
+    manager.checkpoint()
+    assert seen.created == [first]
+
+    # A plugin's own hook, specified after the manager was made and implemented later still.
+    class Spec:
+        @ckpt_plugin.hookspec
+        def on_my_event(self, manager: Any) -> int:  # type: ignore[empty-body]
+            """A third party's hook."""
+
+    class Impl:
+        @hookimpl
+        def on_my_event(self, manager: Any) -> int:
+            return 5
+
+    manager.plugins.add_hookspecs(Spec)
+    assert manager.hooks.call(manager.plugins.hook.on_my_event) == []
+    manager.plugins.register(Impl())
+    assert manager.hooks.call(manager.plugins.hook.on_my_event) == [5]
+
+
+def test_a_call_monitor_sees_hooks_nobody_implements() -> None:
+    manager = fake_manager("recurrent", checkpoint_min_step=4)
+    calls: list[str] = []
+    undo = manager.plugins.add_hookcall_monitoring(lambda name, impls, kwargs: calls.append(name),
+                                                   lambda outcome, name, impls, kwargs: None)
+    manager.checkpoint()
+    assert "on_checkpoint_created" in calls and not manager.plugins.idle_hooks
+    undo()
+    calls.clear()
+    manager.checkpoint()
+    assert calls == [] and "on_checkpoint_created" in manager.plugins.idle_hooks
