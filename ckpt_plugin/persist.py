@@ -38,7 +38,7 @@ import numpy as np
 
 from .cache import CacheEntry
 from .checkpoint import Checkpoint
-from .errors import CheckpointError, CorruptFileError, IncompatibleStateError, UnsafePathError
+from .errors import CorruptFileError, IncompatibleStateError, UnsafePathError
 
 __all__ = [
     "ALIGNMENT",

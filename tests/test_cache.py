@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import threading
-from typing import Any
 
 import numpy as np
 import pytest

@@ -10,8 +10,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import textwrap
-import time
 from typing import Any, Callable
 
 import httpx
