@@ -88,7 +88,7 @@ class HookRelay:
         hooks that can be skipped; with another plugin manager every call goes through pluggy.
         """
         firstresult = getattr(self._plugins, "idle_hooks", _NONE_IDLE).get(caller.name)
-        if firstresult is not None:
+        if firstresult is not None and caller is getattr(self._hook, caller.name, None):  # this manager's own hook
             return None if firstresult else []
         try:
             return caller(manager=self._manager, **kwargs)

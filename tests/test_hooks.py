@@ -6,6 +6,7 @@ import textwrap
 from typing import Any
 
 import numpy as np
+import pluggy
 import pytest
 
 import ckpt_plugin
@@ -211,6 +212,15 @@ def test_a_skipped_hook_is_called_as_soon_as_a_plugin_implements_it_and_skipped_
     assert manager.hooks.call(manager.plugins.hook.on_my_event) == []
     manager.plugins.register(Impl())
     assert manager.hooks.call(manager.plugins.hook.on_my_event) == [5]
+
+    # Only this manager's own callers are skipped: another plugin manager's hook of the same name is called.
+    assert "on_checkpoint_created" in manager.plugins.idle_hooks
+    other = pluggy.PluginManager(ckpt_plugin.PROJECT_NAME)
+    other.add_hookspecs(ckpt_plugin.hooks)
+    other.register(Seen(), name="seen-elsewhere")
+    elsewhere = other.get_plugin("seen-elsewhere")
+    manager.hooks.call(other.hook.on_checkpoint_created, slot=manager.slot, checkpoint=first)
+    assert elsewhere.created == [first]
 
 
 def test_a_call_monitor_sees_hooks_nobody_implements() -> None:
