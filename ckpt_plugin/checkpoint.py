@@ -139,7 +139,7 @@ class StateBufferPool:
             backing = self._returned.popleft()
             self._free.append(backing)
             self._free_bytes += len(backing)
-            self._trim_locked()
+        self._trim_locked()
 
     def trim(self, max_free_bytes: int | None = None) -> None:
         """Unmap recycled mappings beyond ``max_free_bytes`` (and keep that limit from now on), oldest first."""
