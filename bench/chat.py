@@ -49,7 +49,17 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import Report, fmt_bytes, fmt_ratio, gemma_path, markdown_table, ratio  # noqa: E402
+from _common import (  # noqa: E402
+    GEMMA_VOCAB,
+    Report,
+    fmt_bytes,
+    fmt_ratio,
+    gemma_path,
+    markdown_table,
+    open_gemma,
+    random_prompt,
+    ratio,
+)
 
 N_CTX, N_BATCH, N_THREADS = 4096, 512, 2
 SYSTEM_TOKENS = 660
@@ -653,12 +663,58 @@ def run(quick: bool = False, users: int | None = None, turns: int | None = None,
         "servers": outcomes,
     }
     _summarize(results)
+    _add_eval_floor(results)
     if plot is not None:
         try:
             results["plot"] = str(plot_ttft(results, plot))
         except ImportError as exc:  # matplotlib missing
             results["plot_error"] = str(exc)
     return _jsonable(results)
+
+
+def eval_floor(prompt_tokens: int, new_tokens: int, repeats: int = 5) -> float:
+    """Seconds the model alone takes, in this process, to evaluate ``new_tokens`` after ``prompt_tokens - new_tokens``
+    tokens already in memory, then one generated token: what any server pays for a turn that reuses the rest.
+    Median of ``repeats``; the same settings as the servers (``swa_full=False`` like ckpt-serve), no server, no cache,
+    no sampling."""
+    import numpy as np
+
+    llama = open_gemma()
+    try:
+        prompt = random_prompt(np.random.default_rng(0), prompt_tokens, GEMMA_VOCAB, llama.token_bos())
+        kept = prompt_tokens - new_tokens
+        llama.eval(prompt[:kept])
+        times = []
+        for _ in range(repeats + 1):  # the first round warms the compute buffers up, untimed
+            llama.n_tokens = kept
+            llama._ctx.kv_cache_seq_rm(-1, kept, -1)
+            started = time.perf_counter()
+            llama.eval(prompt[kept:])
+            llama.eval([prompt[kept]])
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[1:])
+    finally:
+        llama.close()
+
+
+def _add_eval_floor(results: dict) -> None:
+    """The evaluation floor of ckpt-serve's turns 2+ and the largest ``--cache true`` / ``ckpt-serve`` ratio it
+    allows on this machine (``results["eval_floor"]``)."""
+    by_key = {s["key"]: s["summary"] for s in results["servers"]}
+    if "c" not in by_key:
+        return
+    new_tokens = by_key["c"]["evaluated_later_median"]
+    later_prompts = [p for r, p in zip(results["servers"][0]["requests"], results["prompt_tokens"])
+                     if r["turn"] > 0 and p is not None]
+    if _missing(new_tokens) or not later_prompts:
+        return
+    new, total = int(round(new_tokens)), int(statistics.median(later_prompts))
+    seconds = eval_floor(total, new)
+    floor = {"prompt_tokens": total, "new_tokens": new, "seconds": seconds,
+             "c_over_floor": ratio(by_key["c"]["ttft_later_median"], seconds)}
+    if "b" in by_key:
+        floor["b_over_floor"] = ratio(by_key["b"]["ttft_later_median"], seconds)
+    results["eval_floor"] = floor
 
 
 def _median(values: Sequence[float | None]) -> float:
@@ -806,6 +862,14 @@ def markdown(results: dict) -> str:
             lines.append(f"- TTFT (turns 2+), {text}: **{fmt_ratio(ratios[key])}**{goal_text}")
 
     ratio_line("b_over_c", "`llama_cpp.server --cache true` / `ckpt-serve`", ">= 15")
+    floor = results.get("eval_floor")
+    if floor:
+        bound = (f"; so on this machine `--cache true` / `ckpt-serve` cannot exceed **{fmt_ratio(floor['b_over_floor'])}** "
+                 "for a server that evaluates those tokens" if "b_over_floor" in floor else "")
+        lines.append(f"  - the model alone (in this process, no server, no cache) takes {floor['seconds']:.3f} s to "
+                     f"evaluate the {floor['new_tokens']} new tokens of a median turn after {floor['prompt_tokens'] - floor['new_tokens']} "
+                     f"tokens in memory, and one generated token{bound}; `ckpt-serve`'s TTFT is "
+                     f"{fmt_ratio(floor['c_over_floor'])} that floor")
     ratio_line("a_over_c", "`llama_cpp.server` (no cache) / `ckpt-serve`")
     ratio_line("c_over_d", "`ckpt-serve` / `llama-server -np 1`", "<= 0.8")
     for key, text, goal in (("c_over_d_first", "TTFT of first (cold) turns, `ckpt-serve` / `llama-server -np 1`",
@@ -968,6 +1032,10 @@ def as_report(results: dict, text: str) -> Report:
     if "b_over_c" in ratios:
         report.figure("interleaved chat TTFT (turns 2+): llama_cpp.server --cache true / ckpt-serve",
                       f"{ratios['b_over_c']:.2f}x", ">= 15")
+    floor = results.get("eval_floor") or {}
+    if "b_over_floor" in floor:
+        report.figure("... the same ratio's ceiling on this machine: --cache true TTFT / evaluating the new tokens "
+                      "alone; ckpt-serve TTFT / that", f"{floor['b_over_floor']:.2f}x; {floor['c_over_floor']:.2f}x")
     if "a_over_c" in ratios:
         report.figure("interleaved chat TTFT (turns 2+): llama_cpp.server / ckpt-serve", f"{ratios['a_over_c']:.2f}x")
     with_llama_server = [
