@@ -47,10 +47,15 @@ from _common import (
 from llama_cpp import Llama
 
 import ckpt_plugin
+from ckpt_plugin.checkpoint import StateBufferPool
+from ckpt_plugin.llama_backend import _writable_start
 from ckpt_plugin.spare_pages import SPARE_MAPPER
 
 PROMPT_TOKENS = 1500
 ROTATING = "raw get partial, new np.empty per call, oldest of 32 freed"
+POOLED = "raw get partial, into the pool's recycled buffers"
+CREATE_AFTER_DECODE = "manager.checkpoint() (partial), after a decode"
+RAW_AFTER_DECODE = "raw get partial, preallocated buffer, after a decode"
 _u8_p = ctypes.POINTER(ctypes.c_uint8)
 
 
@@ -94,6 +99,32 @@ def raw_get_fresh(ctx: Any, n_bytes: int, partial: bool, keep: collections.deque
         keep.append(_get_into_fresh(ctx, n_bytes, partial))
 
     return run
+
+
+def raw_get_pooled(ctx: Any, n_bytes: int, pool: StateBufferPool, keep: collections.deque) -> Callable[[], None]:
+    """The raw get into a buffer from ``pool``, kept in the bounded ``keep``: a checkpoint's destination (the memory
+    of the one erased before it) with none of the manager's bookkeeping, and its pointer taken as the backend does."""
+    flags = _flags(True)
+
+    def run() -> None:
+        buffer = pool.allocate(n_bytes)
+        llama_cpp.llama_state_seq_get_data_ext(ctx, _writable_start(buffer), n_bytes, 0, flags)
+        keep.append(buffer)
+
+    return run
+
+
+def one_token_decoder(other: Llama) -> Callable[[], None]:
+    """A one-token decode on ``other`` (a second context of the same model), as the batch a prompt's checkpoint is
+    taken between: it streams the model's weights through the CPU caches, as a request does. The measured context
+    is left untouched, so its slot and state stay those of the steady state."""
+    token = int(other.token_bos())
+
+    def decode() -> None:
+        other.reset()
+        other.eval([token])
+
+    return decode
 
 
 def replacing(make: Callable[[], object]) -> Case:
@@ -155,15 +186,25 @@ def fill_to_limit(manager: ckpt_plugin.CheckpointManager, kept: collections.dequ
     SPARE_MAPPER.wait_idle(30)
 
 
-def measure_capture(c: Context, repeats: int) -> dict[str, Samples]:
+def measure_capture(c: Context, other: Llama, repeats: int) -> dict[str, Samples]:
     """Steady state: the slot is at its checkpoint limit, so each ``checkpoint()`` erases (frees) one."""
     m = c.manager
     kept_partial: collections.deque = collections.deque(maxlen=m.settings.max_checkpoints)
+    kept_pooled: collections.deque = collections.deque(maxlen=m.settings.max_checkpoints)
+    pool = StateBufferPool(m.cache.pool.max_free_bytes)
     fill_to_limit(m, kept_partial, c.ctx, c.partial_bytes)
+    pooled = raw_get_pooled(c.ctx, c.partial_bytes, pool, kept_pooled)
+    while len(kept_pooled) < (kept_pooled.maxlen or 0):
+        pooled()
+    SPARE_MAPPER.wait_idle(30)
+    decode = one_token_decoder(other)
     cases: dict[str, Case | Callable[[], object]] = {
         "manager.checkpoint() (partial)": m.checkpoint,
         "raw get partial, preallocated buffer": raw_get(c.ctx, warm_buffer(c.partial_bytes), True),
         ROTATING: raw_get_fresh(c.ctx, c.partial_bytes, True, kept_partial),
+        POOLED: pooled,
+        CREATE_AFTER_DECODE: Case(setup=decode, run=lambda _: m.checkpoint()),
+        RAW_AFTER_DECODE: Case(setup=decode, run=lambda _, get=raw_get(c.ctx, warm_buffer(c.partial_bytes), True): get()),
         "llama_state_seq_get_size_ext (partial)": lambda: llama_cpp.llama_state_seq_get_size_ext(
             c.ctx, 0, _flags(True)
         ),
@@ -348,21 +389,29 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
     report.table(TIMING_HEADERS, _timing_rows(capture, {
         "manager.checkpoint() (partial)": pr,
         ROTATING: pr,
+        POOLED: pr,
+        CREATE_AFTER_DECODE: RAW_AFTER_DECODE,
         "llama_state_seq_get_size_ext (partial)": pr,
         "manager._capture(partial=False)": fr,
         "manager.save() (changed slot)": fr,
         "raw get full, fresh np.empty": fr,
     }))
     create, one_buffer = capture["manager.checkpoint() (partial)"].median, capture[pr].median
-    rotating = capture[ROTATING].median
+    rotating, pooled = capture[ROTATING].median, capture[POOLED].median
     report.text(
         f"The raw get into one preallocated buffer rewrites the same {fmt_bytes(c.partial_bytes)} every round, which "
-        "stays in the CPU caches; a checkpoint goes into a different buffer each time (one of those freed when older "
-        "checkpoints were erased), like the raw case with a new `np.empty` per call. So create / raw "
-        f"{fmt_ratio(ratio(create, one_buffer))} = a new buffer per call "
-        f"{fmt_ratio(ratio(rotating, one_buffer))} (raw vs raw) x the manager's own work "
-        f"{fmt_ratio(ratio(create, rotating))} (the buffer from the pool, hooks, bookkeeping; a partial state's size "
-        "is learned per window length, so there is no dry-run size query)."
+        "stays in the CPU caches; a checkpoint goes into a different buffer each time (the memory of one erased "
+        "before it: buffers are immutable and shared, so none can be overwritten while it is referenced). The raw "
+        "get into the pool's recycled buffers does exactly that with none of the manager's work. So create / raw "
+        f"{fmt_ratio(ratio(create, one_buffer))} = the destination {fmt_ratio(ratio(pooled, one_buffer))} (raw into "
+        "the pool's buffers vs raw into one buffer; with a new `np.empty` per call instead: "
+        f"{fmt_ratio(ratio(rotating, one_buffer))}) x the manager's own work {fmt_ratio(ratio(create, pooled))} "
+        "(positions, hooks, the checkpoint, the erased one, the budget's pins; a partial state's size is learned per "
+        "window length, so there is no dry-run size query). In a request, a checkpoint is taken between two batches "
+        "of the prompt, whose decode streams the model's weights through the caches: the 'after a decode' pair puts "
+        "both calls there (an untimed one-token decode on a second context of the same model before each), where "
+        "neither destination is cached and create / raw is "
+        f"{fmt_ratio(ratio(capture[CREATE_AFTER_DECODE].median, capture[RAW_AFTER_DECODE].median))}."
     )
     rp, rf = "raw set partial, same buffer", "raw set full, same buffer"
     report.text("**Restore**")
@@ -457,6 +506,12 @@ def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str,
 
     report.figure("checkpoint create / raw get (partial, preallocated buffer), steady state",
                   r(capture, "manager.checkpoint() (partial)", "raw get partial, preallocated buffer"), "<= 1.15")
+    report.figure("checkpoint create / raw get, each right after a one-token decode (where a prompt's checkpoints "
+                  "are taken), steady state", r(capture, CREATE_AFTER_DECODE, RAW_AFTER_DECODE), "<= 1.15")
+    report.figure("checkpoint create / raw get into the pool's recycled buffers (the manager's own work)",
+                  r(capture, "manager.checkpoint() (partial)", POOLED))
+    report.figure("raw get into the pool's recycled buffers / into one preallocated buffer (the destination's "
+                  "cache residency)", r(capture, POOLED, "raw get partial, preallocated buffer"))
     report.figure("checkpoint create / raw get into a new buffer per call (steady state, freed blocks reused)",
                   r(capture, "manager.checkpoint() (partial)", ROTATING))
     report.figure("full capture (_capture) / raw get (full)",
@@ -482,9 +537,10 @@ def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str,
 def run(quick: bool = False) -> Report:
     repeats, host_repeats = (9, 1) if quick else (41, 2)
     c = open_context()
+    other = open_gemma(n_ctx=256)
     try:
         touch = measure_first_touch(c, repeats)  # first, before large blocks were freed back to the allocator
-        capture = measure_capture(c, repeats)
+        capture = measure_capture(c, other, repeats)
         restore = measure_restore(c, repeats)
         host = measure_host_state(c, host_repeats)
         memory = measure_memory(c)
@@ -492,6 +548,7 @@ def run(quick: bool = False) -> Report:
     finally:
         ckpt_plugin.detach(c.llama)
         c.llama.close()
+        other.close()
 
 
 def main() -> None:
