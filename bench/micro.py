@@ -198,13 +198,14 @@ def measure_capture(c: Context, other: Llama, repeats: int) -> dict[str, Samples
         pooled()
     SPARE_MAPPER.wait_idle(30)
     decode = one_token_decoder(other)
+    raw_after_decode = raw_get(c.ctx, warm_buffer(c.partial_bytes), True)
     cases: dict[str, Case | Callable[[], object]] = {
         "manager.checkpoint() (partial)": m.checkpoint,
         "raw get partial, preallocated buffer": raw_get(c.ctx, warm_buffer(c.partial_bytes), True),
         ROTATING: raw_get_fresh(c.ctx, c.partial_bytes, True, kept_partial),
         POOLED: pooled,
         CREATE_AFTER_DECODE: Case(setup=decode, run=lambda _: m.checkpoint()),
-        RAW_AFTER_DECODE: Case(setup=decode, run=lambda _, get=raw_get(c.ctx, warm_buffer(c.partial_bytes), True): get()),
+        RAW_AFTER_DECODE: Case(setup=decode, run=lambda _: raw_after_decode()),
         "llama_state_seq_get_size_ext (partial)": lambda: llama_cpp.llama_state_seq_get_size_ext(
             c.ctx, 0, _flags(True)
         ),
