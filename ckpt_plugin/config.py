@@ -185,6 +185,14 @@ class ServeSettings(CheckpointSettings):
     shutdown_timeout: float = Field(
         5.0, ge=0, description="Seconds ckpt-serve waits for requests in flight on SIGTERM before closing them."
     )
+    request_timeout: float | None = Field(
+        600.0, gt=0, description="Seconds a completion may generate before it is stopped (finish_reason 'length'); "
+        "None for no limit.",
+    )
+    request_max_tokens: int | None = Field(
+        None, ge=1, description="Tokens a completion may generate at most, whatever its max_tokens asks "
+        "(finish_reason 'length'); None for no limit beyond the context.",
+    )
 
     @field_validator("max_body_bytes", mode="before")
     @classmethod

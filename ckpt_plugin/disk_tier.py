@@ -1,13 +1,17 @@
-"""The disk tier of the prompt cache: entries as files that survive restarts, read back without copying (mmap).
+"""The disk tier of the prompt cache: entries as files that survive restarts.
 
 Entries are written through when they enter the RAM cache (atomically, see :mod:`ckpt_plugin.persist`), indexed at
-start-up from their headers, found by the same radix index as the RAM cache, and mapped read-only when chosen: the
-state bytes handed to llama.cpp are the file's pages. The tier has its own byte budget; the least recently used files
-go first. A file that fails validation is moved aside (``.corrupt``) and never loaded.
+start-up from their headers, found by the same radix index as the RAM cache, and read when chosen: one pass of the
+file into state buffers of the RAM cache's pool, validated there (:func:`~ckpt_plugin.persist.read_entry`). The file
+is never mapped: a mapped file truncated from outside would kill the process with ``SIGBUS`` on the next restore.
+The tier has its own byte budget; the least recently used files go first. A file that fails validation (at the
+start-up scan or when read) is moved aside (``.corrupt``), counted in :attr:`DiskTier.corrupt_files` and never
+loaded. :meth:`DiskTier.clear` forgets a namespace (or everything): its files are deleted.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -20,14 +24,16 @@ from typing import Any
 import numpy as np
 
 from .cache import CacheEntry, locked
-
+from .checkpoint import StateBufferPool
 from .errors import CheckpointError, CorruptFileError
-from .persist import read_entry, read_header, remove_stale_temp_files, write_entry
+from .persist import read_entry, read_header, read_recorded_namespace, remove_stale_temp_files, write_entry
 from .radix import RadixIndex
 
 log = logging.getLogger("ckpt_plugin")
 
 SUFFIX = ".ckpt"
+CORRUPT_SUFFIX = ".corrupt"
+"""Files that failed validation are renamed to this suffix (kept for inspection, never loaded)."""
 
 
 @dataclass(eq=False)
@@ -47,6 +53,7 @@ class DiskTier:
 
     :param directory: Where the files live (created if missing).
     :param max_bytes: Byte budget of the files.
+    :ivar corrupt_files: Files that failed validation since the tier was made (start-up scan and reads).
     """
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int) -> None:
@@ -56,7 +63,8 @@ class DiskTier:
         self._indexes: dict[tuple[str, str], RadixIndex[DiskRecord]] = {}
         self._records: OrderedDict[pathlib.Path, DiskRecord] = OrderedDict()
         self.resident_bytes = 0
-        # Several managers (threads) may share one tier; held for bookkeeping and one file write or map at a time.
+        self.corrupt_files = 0
+        # Several managers (threads) may share one tier; held for bookkeeping and one file write or read at a time.
         self._lock = threading.RLock()
         self._scan()
 
@@ -73,7 +81,8 @@ class DiskTier:
                 header = read_header(path)
             except CorruptFileError as exc:
                 log.warning("disk tier: %s is not a valid entry (%s); moved aside", path.name, exc)
-                path.replace(path.with_suffix(".corrupt"))
+                self.corrupt_files += 1
+                path.replace(path.with_suffix(CORRUPT_SUFFIX))
                 continue
             self._add(DiskRecord(path, header.tokens, header.namespace, header.fingerprint, header.file_size))
 
@@ -134,24 +143,66 @@ class DiskTier:
         return index.lookup(prompt)
 
     @locked
-    def load(self, record: DiskRecord) -> CacheEntry | None:
-        """Map ``record``'s file; ``None`` (and the file moved aside) if it no longer validates."""
+    def load(self, record: DiskRecord, pool: StateBufferPool | None = None) -> CacheEntry | None:
+        """Read ``record``'s file into buffers of ``pool`` (see :func:`~ckpt_plugin.persist.read_entry`); ``None``
+        if it cannot be had now, and the record forgotten (the file moved aside and counted, if it no longer
+        validates)."""
         try:
-            entry = read_entry(record.path, expected_fingerprint=record.fingerprint)
-        except (CheckpointError, OSError) as exc:
+            entry = read_entry(record.path, expected_fingerprint=record.fingerprint, pool=pool)
+        except CheckpointError as exc:
             log.warning("disk tier: dropping %s: %s", record.path.name, exc)
-            self._indexes[(record.namespace, record.fingerprint)].remove(record)
-            self._forget(record)
-            if record.path.exists():
-                record.path.replace(record.path.with_suffix(".corrupt"))
+            self.corrupt_files += 1
+            self._drop(record)
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ENOMEM:
+                # The file is fine; the memory is short now. A miss, and the entry stays for later.
+                log.warning("disk tier: no memory to read %s now: %s", record.path.name, exc)
+                return None
+            log.warning("disk tier: dropping %s: %s", record.path.name, exc)
+            self._drop(record)
             return None
         self._records.move_to_end(record.path)
         return entry
 
+    def _drop(self, record: DiskRecord) -> None:
+        """Forget ``record``; its file, if any is left, is moved aside so that no later scan indexes it again."""
+        self._indexes[(record.namespace, record.fingerprint)].remove(record)
+        self._forget(record)
+        if record.path.exists():
+            record.path.replace(record.path.with_suffix(CORRUPT_SUFFIX))
+
     @locked
-    def clear(self) -> int:
-        """Delete every entry file; return how many there were."""
-        records = list(self._records.values())
-        for record in records:
-            self._remove(record)
-        return len(records)
+    def clear(self, namespace: str | None = None) -> int:
+        """Delete every entry file (of ``namespace`` only, if given); return how many entry files went.
+
+        Besides the files this tier indexed, the directory's other entry files of that namespace go too (written
+        by another process sharing the directory since the scan), and so do files moved aside as corrupt whose
+        header still names that namespace (every one, without a namespace): a tenant's forgotten prompts must not
+        survive in a file nobody loads. A file whose header does not even name its namespace any more cannot be
+        attributed to a tenant and stays, unless everything is cleared.
+        """
+        removed = 0
+        for record in list(self._records.values()):
+            if namespace is None or record.namespace == namespace:
+                self._remove(record)
+                removed += 1
+        with os.scandir(self.directory) as items:
+            paths = [pathlib.Path(item.path) for item in items
+                     if item.is_file(follow_symlinks=False) and not item.name.startswith(".")]
+        for path in paths:
+            if path.suffix not in (SUFFIX, CORRUPT_SUFFIX) or path in self._records:
+                continue
+            if namespace is not None and self._namespace_of(path) != namespace:
+                continue
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed += path.suffix == SUFFIX
+        return removed
+
+    @staticmethod
+    def _namespace_of(path: pathlib.Path) -> str | None:
+        """The namespace a file's header records (even a file that fails validation), or ``None``."""
+        return read_recorded_namespace(path)

@@ -62,6 +62,16 @@ def proxy_current_alias(proxy: Any) -> str | None:
     return proxy._current_model_alias
 
 
+def proxy_current_model(proxy: Any) -> Any:
+    """The ``Llama`` the proxy holds now (``None`` before the first request)."""
+    return proxy._current_model
+
+
+def proxy_model_settings(proxy: Any, alias: str) -> Any:
+    """The ``ModelSettings`` of ``alias``."""
+    return proxy._model_settings_dict[alias]
+
+
 def decode_handles(llama: Any) -> tuple[Any, Any]:
     """``(llama._ctx, llama._batch)``: the context wrapper and the batch that ``Llama.eval`` decodes with."""
     return llama._ctx, llama._batch

@@ -36,9 +36,11 @@ from .checkpoint import freeze
 from .config import CheckpointSettings
 from .disk_tier import DiskTier
 from .errors import UnsupportedHostError
+from .host_logprobs import CompletionTrace, LogprobsRequest, stop_sequences
 from .logits import EVERY_ROW, NO_ROWS, LogitsNeeds, generation_needs, max_keep
 from .manager import CheckpointManager
 from .policy import MemoryKind, common_prefix
+from .request import current_request
 
 TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
 """llama-cpp-python versions attach accepts: from the first (inclusive) to the second (exclusive)."""
@@ -122,16 +124,46 @@ def clear_memory(llama: Llama) -> None:
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llama.ctx), True)
 
 
-def grammar_error(llama: Llama, grammar: str, root: str = "root") -> str | None:
-    """Why llama.cpp would refuse ``grammar`` for ``llama``'s vocabulary, or ``None`` if it parses.
+_WORKER_VOCABS: dict[str, Any] = {}
 
-    llama-cpp-python does not check a grammar before sampling with it, and llama.cpp's sampler is then missing: the
-    whole process dies. Building the sampler once here and freeing it is cheap (microseconds for a typical grammar).
+
+def _worker_vocab_model(model_path: str) -> Any:
+    model = _WORKER_VOCABS.get(model_path)
+    if model is None:
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        model = llama_cpp.llama_model_load_from_file(model_path.encode("utf-8"), params)
+        if not model:
+            raise OSError(f"could not load the vocabulary of {model_path}")
+        _WORKER_VOCABS[model_path] = model
+    return model
+
+
+def vocab_size_in_worker(model_path: str) -> int:
+    """The number of tokens in the vocabulary of the model at ``model_path`` (only the vocabulary is loaded)."""
+    return int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(_worker_vocab_model(model_path))))
+
+
+def grammar_problem_in_worker(model_path: str, text: str, is_schema: bool) -> str | None:
+    """Why llama.cpp refuses a grammar (or a JSON schema the host turns into one) for the model at ``model_path``.
+
+    Meant for a child process (:mod:`ckpt_plugin.grammar_guard`): llama.cpp's grammar parser recurses once per
+    nesting level and overflows the stack on a deeply nested grammar (about 30,000 levels: a 120 KB request body),
+    which kills whatever process compiles it. Only the vocabulary is loaded.
     """
-    vocab = llama_cpp.llama_model_get_vocab(llama.model)
-    sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), root.encode("utf-8"))
+    model = _worker_vocab_model(model_path)
+    if is_schema:
+        from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+        try:
+            text = json_schema_to_gbnf(text)
+        except Exception:
+            return None  # the host falls back to its generic JSON grammar, which compiles
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), b"root")
     if not sampler:
-        return "llama.cpp could not parse the grammar (see the server log for where)"
+        return "llama.cpp could not parse the grammar"
     llama_cpp.llama_sampler_free(sampler)
     return None
 
@@ -494,14 +526,101 @@ class _Attachment:
         manager.process(new, prompt_end)
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """The host's ``_create_completion``, noting the logits the request reads; a request for logprobs runs the
+        host without them and gets them from :mod:`ckpt_plugin.host_logprobs` (the same values, vectorized)."""
         bound = self._completion_signature.bind(self.llama, *args, **kwargs)
-        reads = (bound.arguments.get("logprobs") is not None, bool(bound.arguments.get("echo", False)))
-        return self._completion_with_reads(self._create_completion(*args, **kwargs), reads)
+        logprobs = bound.arguments.get("logprobs")
+        reads = (logprobs is not None, bool(bound.arguments.get("echo", False)))
+        if logprobs is None or not host.wants_all_logits(self.llama):
+            # Without logits_all the host refuses logprobs itself, after its other checks: left to it.
+            return self._completion_with_reads(self._create_completion(*args, **kwargs), reads)
+        defaults = self._completion_signature.parameters
 
-    def _completion_with_reads(self, completion: Iterator[Any], reads: tuple[bool, bool]) -> Iterator[Any]:
-        # The host's body runs on the first next(): it calls generate() within this very call, which takes the reads.
+        def argument(name: str) -> Any:
+            return bound.arguments.get(name, defaults[name].default)
+
+        request = LogprobsRequest(prompt=argument("prompt"), logprobs=logprobs, echo=bool(argument("echo")),
+                                  stream=bool(argument("stream")), stop=stop_sequences(argument("stop")))
+        bound.arguments["logprobs"] = None
+        return self._completion_with_reads(self._create_completion(*bound.args[1:], **bound.kwargs), reads, request)
+
+    def _completion_with_reads(
+        self, completion: Iterator[Any], reads: tuple[bool, bool], logprobs: LogprobsRequest | None = None
+    ) -> Iterator[Any]:
+        """Iterate the host's ``completion`` for a request reading ``reads`` (``(logprobs, echo)``); with
+        ``logprobs``, the host runs without them and they are filled in (:meth:`_completion_with_host_logprobs`)."""
+        # The host's body runs on the first next(): it calls generate() within this very call, which takes the reads
+        # (so the rows are kept even though the host itself is not asked for logprobs).
         self.pending_reads = reads
-        yield from completion
+        if logprobs is None:
+            yield from completion
+        else:
+            yield from self._completion_with_host_logprobs(completion, logprobs)
+
+    def _completion_with_host_logprobs(self, completion: Iterator[Any], request: LogprobsRequest) -> Iterator[Any]:
+        """The host's response to a logprobs request, with the logprobs it would have computed.
+
+        The host's ``completion`` runs with ``logprobs=None``. Its ``generate`` call is watched (a wrapper installed
+        on the instance for its first ``next()`` only, the call in which the host calls ``generate``) by a
+        :class:`~ckpt_plugin.host_logprobs.CompletionTrace`, which learns the prompt and completion tokens.
+        Non-streamed: the single response gets ``logprobs`` computed from the rows after the generation, where the
+        host computes them. Streamed: without logprobs the host groups tokens into chunks differently, so its chunks
+        are dropped and the trace's replay of the logprobs loop (one chunk per token, computed as each token arrived)
+        is yielded in their place, then its tail, then the host's final chunk.
+        """
+        llama = self.llama
+        vocab = llama_cpp.llama_model_get_vocab(llama.model)
+        trace = CompletionTrace(
+            detokenize=llama.detokenize,
+            log_softmax=Llama.logits_to_logprobs,
+            scores=lambda: llama.scores[: llama.n_tokens, :],
+            is_eog=lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token)),
+            bos_token_id=llama.token_bos(),
+            request=request,
+        )
+        end = object()
+        template: dict[str, Any] | None = None
+        try:
+            generate = llama.generate
+
+            def watched_generate(tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
+                # No reference to the watcher is kept here: the host's loop owns it, and dropping it (a break)
+                # closes the generation at once, as without the watcher.
+                return trace.watch(tokens, generate(tokens, *args, **kwargs))
+
+            llama.generate = watched_generate
+            try:
+                chunk = next(completion, end)
+            finally:
+                if llama.__dict__.get("generate") is watched_generate:
+                    llama.generate = generate
+            if not request.stream:
+                if chunk is not end:
+                    chunk["choices"][0]["logprobs"] = trace.logprobs(llama.scores[: llama.n_tokens, :])
+                    yield chunk
+                yield from completion
+                return
+            while chunk is not end:
+                template = chunk
+                if trace.error is not None:
+                    yield from trace.take(chunk)
+                    raise trace.error
+                if chunk["choices"][0]["finish_reason"] is None:
+                    yield from trace.take(chunk)  # the host's own chunk stands for tokens the trace yields itself
+                else:
+                    trace.tail()
+                    yield from trace.take(chunk)
+                    yield chunk
+                chunk = next(completion, end)
+        except Exception:
+            # What the host had yielded before failing (it yields as it goes) still reaches the client.
+            if template is not None and trace.pending:
+                yield from trace.take(template)
+            raise
+        finally:
+            close = getattr(completion, "close", None)
+            if close is not None:
+                close()
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
         bound = self._generate_signature.bind(self.llama, tokens, *args, **kwargs)
@@ -526,8 +645,17 @@ class _Attachment:
             if reset and tokens:
                 n_keep = self.manager.prepare(prompt, max_keep=limit)
                 self._sync_host(n_keep, prompt)
+        request = current_request.get()
         try:
-            yield from self._generate(tokens, *args, **kwargs)
+            if request is None:
+                yield from self._generate(tokens, *args, **kwargs)
+                return
+            # The server's limits and its client's disconnect end the generation at the next token: the host then
+            # finishes the response as if max_tokens was reached, and the model is free for the next request.
+            for generated, token in enumerate(self._generate(tokens, *args, **kwargs)):
+                if request.should_stop(generated):
+                    return
+                yield token
         finally:
             generation.finished = True
             if self.current is generation:

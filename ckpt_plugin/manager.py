@@ -43,7 +43,7 @@ from .request import current_request
 from .shared_tier import SharedTier, shared_tier_for
 from .slot import Backend, Slot
 from .slot_files import erase_slot, restore_slot, save_slot
-from .stats import Counters, describe, manager_stats
+from .stats import Cleared, Counters, describe, manager_stats
 from .store import TieredStore
 
 __all__ = ["Backend", "CheckpointManager", "Counters", "DEFAULT_PLUGIN_NAME", "DefaultPlugin", "Slot"]
@@ -314,9 +314,25 @@ class CheckpointManager:
         """
         return self.store.admit(entry, write_through)
 
-    def clear_cache(self, namespace: str | None = None) -> int:
-        """Drop every prompt-cache entry (of ``namespace`` only, if given); return how many there were."""
-        return self.store.clear(namespace)
+    def clear_cache(self, namespace: str | None = None) -> Cleared:
+        """Forget ``namespace``'s state (everyone's, for ``None``) in every tier the plugin owns: the RAM cache,
+        the disk tier's files, the shared tier's partition of this model, and the live slot if it holds that state.
+
+        Holds the manager's lock throughout (a request using the slot finishes first), so that no request of the
+        tenant can restore from a tier between two of the deletions.
+
+        :return: The entries deleted over every tier, an ``int`` (:class:`~ckpt_plugin.stats.Cleared`) whose
+            ``tiers`` has the count per tier and whether the slot was emptied.
+        """
+        with self.lock:
+            slot = self.slot
+            emptied = 0
+            if namespace is None or slot.namespace == namespace:
+                self.reconcile()
+                emptied = int(slot.n_tokens > 0 or bool(slot.checkpoints))
+                self.clear_slot()
+            tiers = self.store.forget(namespace, self.fingerprint)
+        return Cleared({**tiers, "slot": emptied})
 
     # ---------------------------------------------------------------------------------------------------------------
     # the request path
@@ -386,7 +402,7 @@ class CheckpointManager:
     def plan(self, prompt: np.ndarray, max_keep: int | None = None) -> Plan[CacheEntry]:
         """How ``prompt`` would be served (see :func:`~ckpt_plugin.policy.plan_prompt`).
 
-        Changes nothing but the disk tier's mappings of the candidates it fetched: counting, promotion and restores
+        Changes nothing but what the disk tier read of the candidates it fetched: counting, promotion and restores
         are :meth:`prepare`'s.
         """
         slot = self.slot

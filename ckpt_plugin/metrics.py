@@ -31,6 +31,7 @@ COUNTERS = {
     "capture_failures": "State captures that failed (no checkpoint taken)",
     "bytes_copied": "State bytes copied by llama.cpp get/set calls",
     "disk_hits": "Prompts served from a disk-tier entry",
+    "corrupt_files": "Slot and disk-tier files that failed validation (refused; disk-tier ones moved aside)",
 }
 SHARED_COUNTERS = {
     "hits": "Prompts served from a shared-tier entry",

@@ -11,8 +11,13 @@ It is a thin composition of one-job pieces:
   ``/slots/{id}`` (see that module);
 - :class:`~ckpt_plugin.tenants.Tenants`: the host's API key is checked on every ``POST`` before its body is read
   (401), and each request gets the namespace the server derives for it;
-- completion requests (``POST .../completions``) must carry a JSON object (400 otherwise) that passes the optional
-  ``validators`` (422): the model is never reached with a body it cannot parse;
+- host routes named in ``guards`` (:mod:`ckpt_plugin.route_guard`; by default OpenAI's two completion routes): a
+  ``POST`` must carry a JSON object (415 for another media type, 400 for bad JSON or lone surrogates) that passes the
+  route's checks (422): the host never sees a body it would answer with a 500 or die on; a large body is parsed in a
+  worker thread, never on the event loop;
+- generation routes run under the request's limits (``request_timeout``, ``request_max_tokens``) and stop at the
+  next token when their client disconnects; a stream that fails ends with an error event
+  (:class:`~ckpt_plugin.generation.Generation`);
 - :class:`~ckpt_plugin.usage.UsageRewriter`: ``usage.prompt_tokens_details.cached_tokens`` on their responses;
 - with a shared tier, once a completion's response is sent, the live slot is offered to it
   (:func:`~ckpt_plugin.shared_tier.publish`), so the conversation's next turn can land on any replica.
@@ -23,26 +28,31 @@ restarted server starts warm.
 
 from __future__ import annotations
 
-import json
 import logging
+import time
 from typing import Any, Callable, Mapping
 
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .body_limit import BodyLimitMiddleware, BodyTooLarge, ClientDisconnect, error_response, read_body
 from .config import ServeSettings
+from .generation import Generation, replay_body
 from .metrics import Metrics
 from .request import RequestScope, current_request
+from .request_checks import RequestRejected, check_content_type, parse_json_object
+from .route_guard import RouteGuard, default_guards, validation_message
 from .routes import CheckpointRoutes, Managers, unique_managers
 from .shared_tier import publish
 from .tenants import Tenants
 from .usage import UsageRewriter
 
-Validator = Callable[[dict[str, Any]], None]
-
 log = logging.getLogger("ckpt_plugin")
+
+_PARSE_ON_LOOP_BYTES = 256 << 10
 
 
 class CheckpointMiddleware:
@@ -52,8 +62,8 @@ class CheckpointMiddleware:
     :param managers: The attached managers by model name, or a callable returning them (models can change).
     :param settings: Admin, metrics, namespace, slot-file and body-limit settings.
     :param api_key: The host's API key, if it has one.
-    :param validators: Request-body validators by path suffix (e.g. ``"/chat/completions"``); a validator raises
-        ``ValueError`` (pydantic's ``ValidationError`` is one) to refuse a body with 422.
+    :param guards: The host's routes by path (after ``root_path``), each with its body checks; ``None`` for
+        :func:`~ckpt_plugin.route_guard.default_guards`.
     """
 
     def __init__(
@@ -62,11 +72,11 @@ class CheckpointMiddleware:
         managers: Managers | Callable[[], Managers],
         settings: ServeSettings | None = None,
         api_key: str | None = None,
-        validators: Mapping[str, Validator] | None = None,
+        guards: Mapping[str, RouteGuard] | None = None,
     ) -> None:
         self.app = app
         self.settings = settings or ServeSettings()
-        self.validators = dict(validators or {})
+        self.guards = dict(default_guards() if guards is None else guards)
         self.managers: Callable[[], Managers] = managers if callable(managers) else (lambda: managers)
         self.api_key = api_key
         self.tenants = Tenants(self.settings, api_key)
@@ -87,7 +97,7 @@ class CheckpointMiddleware:
         path = _route_path(scope)
         self._watch_managers()
         if CheckpointRoutes.handles(path, self.settings):
-            await self.routes.router({**scope, "path": path, "root_path": ""}, receive, send)
+            await self.routes({**scope, "path": path, "root_path": ""}, receive, send)
             return
         caller = self.tenants.caller(Headers(scope=scope))
         if scope["method"] == "POST" and not caller.authorized:
@@ -97,28 +107,43 @@ class CheckpointMiddleware:
         request_scope = RequestScope(namespace=caller.namespace)
         token = current_request.set(request_scope)
         try:
-            if scope["method"] == "POST" and path.endswith("/completions"):
-                await self._completion(scope, receive, send, path, request_scope)
+            guard = self.guards.get(path)
+            if scope["method"] == "POST" and guard is not None:
+                await self._guarded(scope, receive, send, guard, request_scope)
             else:
                 await self.app(scope, receive, send)
         finally:
             current_request.reset(token)
 
-    async def _completion(
-        self, scope: Scope, receive: Receive, send: Send, path: str, request_scope: RequestScope
+    async def _guarded(
+        self, scope: Scope, receive: Receive, send: Send, guard: RouteGuard, request_scope: RequestScope
     ) -> None:
         try:
+            check_content_type(Headers(scope=scope).get("content-type"))
             body = await read_body(receive, self.settings.max_body_bytes)
+            payload = await _off_loop_if_large(len(body), parse_json_object, body)
+            await run_in_threadpool(_check, guard, payload)
+            answer = await run_in_threadpool(guard.answer, payload)
+        except RequestRejected as exc:
+            await error_response(exc.status, exc.code, exc.message)(scope, receive, send)
+            return
         except BodyTooLarge as exc:
             await error_response(413, "too_large", str(exc))(scope, receive, send)
             return
         except ClientDisconnect:
             return
-        problem = self._check_completion_body(path, body)
-        if problem is not None:
-            await problem(scope, receive, send)
+        if answer is not None:
+            await JSONResponse(answer)(scope, receive, send)
             return
-        await UsageRewriter(self.app, request_scope, body)(scope, _replay(body, receive), send)
+        if not guard.generates:
+            await self.app(scope, replay_body(body, receive), send)
+            return
+        settings = self.settings
+        if settings.request_timeout is not None:
+            request_scope.deadline = time.monotonic() + settings.request_timeout
+        request_scope.max_new_tokens = settings.request_max_tokens
+        generation = Generation(UsageRewriter(self.app, request_scope, body), request_scope.cancelled)
+        await generation(scope, receive, send, body, stream=payload.get("stream") is True)
         await run_in_threadpool(self._publish)
 
     def _publish(self) -> None:
@@ -128,26 +153,6 @@ class CheckpointMiddleware:
                     publish(manager)
                 except Exception:  # the response is sent; the next turn merely misses the shared tier
                     log.exception("offering the slot to the shared tier failed")
-
-    def _check_completion_body(self, path: str, body: bytes) -> Any:
-        try:
-            payload = json.loads(body)
-        except RecursionError:
-            return error_response(400, "invalid_json", "the request body is nested too deeply")
-        except ValueError as exc:
-            return error_response(400, "invalid_json", f"the request body is not valid JSON: {exc}")
-        if not isinstance(payload, dict):
-            return error_response(400, "invalid_json", "the request body must be a JSON object")
-        for suffix, validate in self.validators.items():
-            if path.endswith(suffix):
-                try:
-                    validate(payload)
-                except RecursionError:
-                    return error_response(400, "invalid_json", "the request body is nested too deeply")
-                except ValueError as exc:
-                    return error_response(422, "invalid_request", str(exc))
-                break
-        return None
 
     def _flush_on_shutdown(self, receive: Receive) -> Receive:
         async def flushing_receive() -> Message:
@@ -165,20 +170,27 @@ class CheckpointMiddleware:
                 self.metrics.watch(name, manager)
 
 
+def _check(guard: RouteGuard, payload: dict[str, Any]) -> None:
+    try:
+        guard.check(payload)
+    except RequestRejected:
+        raise
+    except RecursionError:
+        raise RequestRejected(400, "invalid_json", "the request body is nested too deeply") from None
+    except ValidationError as exc:
+        raise RequestRejected(422, "invalid_request", validation_message(exc)) from None
+    except ValueError as exc:
+        raise RequestRejected(422, "invalid_request", str(exc)) from None
+
+
+async def _off_loop_if_large(size: int, function: Callable[..., Any], *args: Any) -> Any:
+    """Parse small bodies on the event loop (a thread hop costs more), large ones in a worker thread: a 20 MB body
+    parsed on the loop holds every other request for a second."""
+    if size <= _PARSE_ON_LOOP_BYTES:
+        return function(*args)
+    return await run_in_threadpool(function, *args)
+
+
 def _route_path(scope: Scope) -> str:
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that hands the app the already-read body, then the client's own messages (disconnects)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

@@ -7,8 +7,10 @@ into the worker thread that runs the model (Starlette's and anyio's thread helpe
 
 from __future__ import annotations
 
+import threading
+import time
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -19,11 +21,25 @@ class RequestScope:
         manager's own namespace.
     :ivar prompt_tokens: Tokens of the last prompt prepared in this request.
     :ivar cached_tokens: Prompt tokens served from memory, a checkpoint or the cache (not evaluated).
+    :ivar cancelled: Set when the client went away: the generation stops at its next token.
+    :ivar deadline: ``time.monotonic()`` after which the generation stops (``None``: no limit).
+    :ivar max_new_tokens: Tokens the generation may produce at most (``None``: what the request asks).
     """
 
     namespace: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    deadline: float | None = None
+    max_new_tokens: int | None = None
+
+    def should_stop(self, generated: int) -> bool:
+        """Whether a generation that produced ``generated`` tokens must stop before the next one."""
+        return (
+            self.cancelled.is_set()
+            or (self.max_new_tokens is not None and generated >= self.max_new_tokens)
+            or (self.deadline is not None and time.monotonic() >= self.deadline)
+        )
 
 
 current_request: ContextVar[RequestScope | None] = ContextVar("ckpt_plugin_request", default=None)

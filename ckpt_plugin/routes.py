@@ -43,14 +43,22 @@ from .errors import (
 from .manager import CheckpointManager
 from .metrics import CONTENT_TYPE, Metrics
 from .persist import safe_path
+from .request_checks import RequestRejected, check_content_type
+from .stats import Cleared
 from .tenants import Caller, Tenants
 
 log = logging.getLogger("ckpt_plugin")
 
 Managers = Mapping[str, CheckpointManager]
 SLOT_REQUEST_MAX_BYTES = 1 << 16
-# Every method reaches the endpoint, which answers a wrong one with a JSON 405 (Starlette's own is plain text).
-_ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+# The methods each route answers; any other (TRACE, CONNECT, FOO, ...) gets a JSON 405 with ``Allow`` before the
+# router sees it (Starlette's own 405 is plain text, and methods it does not know never reach an endpoint).
+_ALLOWED: dict[str, tuple[str, ...]] = {
+    "/checkpoints": ("GET", "DELETE"),
+    "/checkpoints/stats": ("GET",),
+    "/metrics": ("GET",),
+    "/slots/": ("POST",),
+}
 _SLOT_ID = re.compile(r"0|[1-9][0-9]{0,8}")  # ASCII digits only: no "00", no full-width or superscript digits
 
 
@@ -115,13 +123,26 @@ class CheckpointRoutes:
         self.metrics = metrics
         self.router = Router(
             routes=[
-                Route("/checkpoints", self._guard(self.checkpoints, admin=True), methods=_ANY_METHOD),
-                Route("/checkpoints/stats", self._guard(self.stats, admin=True), methods=_ANY_METHOD),
-                Route("/metrics", self._guard(self.prometheus), methods=_ANY_METHOD),
-                Route("/slots/{slot_id:path}", self._guard(self.slots, slots=True), methods=_ANY_METHOD),
+                Route("/checkpoints", self._guard(self.checkpoints, admin=True), methods=_ALLOWED["/checkpoints"]),
+                Route("/checkpoints/stats", self._guard(self.stats, admin=True),
+                      methods=_ALLOWED["/checkpoints/stats"]),
+                Route("/metrics", self._guard(self.prometheus, metrics=True), methods=_ALLOWED["/metrics"]),
+                Route("/slots/{slot_id:path}", self._guard(self.slots, slots=True), methods=_ALLOWED["/slots/"]),
             ],
             default=self._not_found,
         )
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """Answer a method the route does not take with a JSON 405 and ``Allow``, else route the request."""
+        path = scope["path"]
+        allowed = _ALLOWED.get(path) or (_ALLOWED["/slots/"] if path.startswith("/slots/") else None)
+        if allowed is not None and scope["method"] not in allowed and not (scope["method"] == "HEAD" and "GET" in allowed):
+            response = error_response(405, "method_not_allowed",
+                                      f"{scope['method']} is not allowed on {path}; use {', '.join(allowed)}")
+            response.headers["allow"] = ", ".join(allowed)
+            await response(scope, receive, send)
+            return
+        await self.router(scope, receive, send)
 
     @staticmethod
     def handles(path: str, settings: ServeSettings) -> bool:
@@ -137,7 +158,8 @@ class CheckpointRoutes:
         await error_response(404, "not_found", f"no route {scope['path']}")(scope, receive, send)
 
     def _guard(
-        self, endpoint: Callable[[Request, Caller], Awaitable[Response]], admin: bool = False, slots: bool = False
+        self, endpoint: Callable[[Request, Caller], Awaitable[Response]], admin: bool = False, slots: bool = False,
+        metrics: bool = False,
     ) -> Callable[[Request], Awaitable[Response]]:
         """Check enablement and credentials before the endpoint reads anything of the request."""
 
@@ -151,6 +173,9 @@ class CheckpointRoutes:
                 return error_response(401, "unauthorized", "a valid API key is required")
             if (admin or slots) and caller.anonymous and not caller.operator:
                 return error_response(403, "forbidden", "namespaces are on: this route needs a tenant identity")
+            if metrics and self._metrics_need_operator() and not caller.operator:
+                # The counters add up every tenant's traffic: with tenants, they are the operator's to read.
+                return error_response(403, "forbidden", "namespaces are on: /metrics needs the operator key (admin_key)")
             try:
                 return await endpoint(request, caller)
             except BodyTooLarge as exc:
@@ -161,6 +186,9 @@ class CheckpointRoutes:
                 return error_for(exc)
 
         return guarded
+
+    def _metrics_need_operator(self) -> bool:
+        return self.settings.namespaces != "off" and self.settings.admin_key is not None
 
     @staticmethod
     def _scope_of(caller: Caller) -> str | None:
@@ -173,16 +201,13 @@ class CheckpointRoutes:
         if request.method == "GET":
             views = await run_in_threadpool(lambda: {name: m.describe(namespace) for name, m in managers.items()})
             return JSONResponse({"models": views})
-        if request.method == "DELETE":
+        else:  # DELETE (the only other method the route takes)
             cleared = await run_in_threadpool(
-                lambda: sum(m.clear_cache(namespace) for m in unique_managers(managers))
+                lambda: Cleared.combine(m.clear_cache(namespace) for m in unique_managers(managers))
             )
-            return JSONResponse({"cleared": cleared})
-        return error_response(405, "method_not_allowed", f"{request.method} is not allowed on /checkpoints")
+            return JSONResponse(cleared.as_json())
 
     async def stats(self, request: Request, caller: Caller) -> Response:
-        if request.method != "GET":
-            return error_response(405, "method_not_allowed", f"{request.method} is not allowed on /checkpoints/stats")
         if caller.namespace is not None and not caller.operator:
             return error_response(403, "forbidden", "stats cover every tenant: they need the operator key (admin_key)")
         managers = self.managers()
@@ -190,13 +215,9 @@ class CheckpointRoutes:
         return JSONResponse({"models": views})
 
     async def prometheus(self, request: Request, caller: Caller) -> Response:
-        if request.method != "GET":
-            return error_response(405, "method_not_allowed", "use GET /metrics")
         return Response(await run_in_threadpool(self.metrics.render), media_type=CONTENT_TYPE)
 
     async def slots(self, request: Request, caller: Caller) -> Response:
-        if request.method != "POST":
-            return error_response(405, "method_not_allowed", "use POST /slots/{id}?action=save|restore|erase")
         slot_text = request.path_params["slot_id"]
         if not _SLOT_ID.fullmatch(slot_text):
             return error_response(400, "invalid_request", f"slot id must be a decimal number, got {slot_text!r}")
@@ -211,6 +232,10 @@ class CheckpointRoutes:
             return JSONResponse({"id_slot": slot_id, **result})
         if action not in ("save", "restore"):
             return error_response(400, "invalid_request", "action must be save, restore or erase")
+        try:
+            check_content_type(request.headers.get("content-type"))
+        except RequestRejected as exc:
+            return error_response(exc.status, exc.code, exc.message)
         body = await read_body(request.receive, SLOT_REQUEST_MAX_BYTES)
         try:
             payload = json.loads(body or b"{}")
@@ -227,6 +252,8 @@ class CheckpointRoutes:
             result = await run_in_threadpool(manager.save_slot, target, caller.namespace)
             return JSONResponse({"id_slot": slot_id, "filename": filename, "n_saved": result["n_saved"],
                                  "n_written": result["n_written"], "timings": {"save_ms": result["save_ms"]}})
+        if target.is_dir():
+            return error_response(400, "invalid_request", "the file name names a directory")
         if not target.is_file():
             raise SlotFileNotFoundError(f"no slot file {filename!r}")
         result = await run_in_threadpool(manager.restore_slot, target, caller.namespace)

@@ -16,6 +16,10 @@ Cost per request (see ``docs/shared-tier.md``):
 It is never in the way: reads have a timeout, and any failure (unreachable, slow, full, garbage) is a warning, a
 counter and a miss, never an error for the request; while the server is unreachable no request touches it and the
 write-behind thread probes it every ``retry`` seconds, reconnecting by itself.
+
+:meth:`SharedTier.forget` deletes a partition's keys (a tenant's, or a model's) with ``SCAN`` and ``UNLINK`` in
+batches (never ``KEYS``, which blocks the server for the whole keyspace), after the write in progress, and makes the
+writes queued before it write nothing (``DELETE /checkpoints``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import re
 import threading
 import time
 import weakref
@@ -70,6 +75,13 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5
 _RECENT = 4096
 LINEAGE_MANIFESTS = 64
 """Manifests restored from or written recently, whose checkpoints later entries of their lineages name."""
+FORGET_SCAN_COUNT = 1000
+"""``COUNT`` hint of each ``SCAN`` of :meth:`SharedTier.forget`: keys the server looks at per round trip."""
+FORGET_BATCH = 500
+"""Keys per ``UNLINK`` of :meth:`SharedTier.forget`: each call is short for the server (UNLINK frees the values on
+a background thread), and a round trip carries many keys."""
+_FORGETS = 1024
+"""Forgotten partitions remembered (with when), so that writes queued before a forget write nothing."""
 _T = TypeVar("_T")
 
 
@@ -241,7 +253,13 @@ class SharedTier:
                                             **options)
         self._digests = DigestCache()
         self._partitions: dict[tuple[str, str], Partition] = {}
-        self._recent: OrderedDict[str, float] = OrderedDict()
+        # entry id -> (when claimed, its partition's key prefix)
+        self._recent: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        # key prefix of a forgotten partition -> when (monotonic); see forget()
+        self._forgotten: OrderedDict[str, float] = OrderedDict()
+        # Held for a whole entry's write and for a forget: a forget waits for the write in progress, and a write
+        # after it sees its mark.
+        self._write_lock = threading.Lock()
         self._lineage: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
         self._lock = threading.Lock()
         self._reads = Reads()
@@ -465,7 +483,7 @@ class SharedTier:
         """
         partition = self.partition(entry.namespace, entry.fingerprint)
         entry_id = partition.entry_id(entry.tokens)
-        if entry.n_tokens < BLOCK_TOKENS or not self._claim(entry_id):
+        if entry.n_tokens < BLOCK_TOKENS or not self._claim(entry_id, partition.base):
             release()
             return False
         if not self._up:
@@ -478,7 +496,7 @@ class SharedTier:
 
         def run() -> None:
             self._reads.wait_quiet(submitted, WRITE_DELAY)
-            written[0] = self._write(partition, entry_id, entry)
+            written[0] = self._write(partition, entry_id, entry, submitted)
 
         def done() -> None:
             if not written[0]:
@@ -487,15 +505,16 @@ class SharedTier:
 
         return self._queue.submit(Job(run, done))
 
-    def _claim(self, entry_id: str) -> bool:
-        """Record that ``entry_id`` is being written, unless it was (or is being) written recently: the state of a
-        slot is offered after its response and again when the slot is parked, and written once."""
+    def _claim(self, entry_id: str, base: str) -> bool:
+        """Record that ``entry_id`` (of the partition whose keys start with ``base``) is being written, unless it was
+        (or is being) written recently: the state of a slot is offered after its response and again when the slot
+        is parked, and written once."""
         with self._lock:
             claimed = self._recent.get(entry_id)
             now = time.monotonic()
-            if claimed is not None and (self.ttl is None or now - claimed < self.ttl / 2):
+            if claimed is not None and (self.ttl is None or now - claimed[0] < self.ttl / 2):
                 return False
-            self._recent[entry_id] = now
+            self._recent[entry_id] = (now, base)
             self._recent.move_to_end(entry_id)
             while len(self._recent) > _RECENT:
                 self._recent.popitem(last=False)
@@ -505,17 +524,23 @@ class SharedTier:
         with self._lock:
             self._recent.pop(entry_id, None)
 
-    def _write(self, partition: Partition, entry_id: str, entry: CacheEntry) -> bool:
-        """Write ``entry``; return whether it is stored (a failure is counted, never raised)."""
-        if not self._up:
-            self._count(write_drops=1)
-            return False
-        try:
-            return self._write_entry(partition, entry_id, entry)
-        except self._errors as exc:
-            self._count(write_errors=1)
-            self._failed("write", exc)
-            return False
+    def _write(self, partition: Partition, entry_id: str, entry: CacheEntry, submitted: float) -> bool:
+        """Write ``entry`` (queued at ``submitted``); return whether it is stored (a failure is counted, never
+        raised). An entry of a partition forgotten since it was queued is not written: it is state the tenant asked
+        to forget."""
+        with self._write_lock:
+            if self._forgotten_since(partition.base, submitted):
+                log.debug("shared tier %s: not writing an entry of a partition forgotten since", self.url)
+                return False
+            if not self._up:
+                self._count(write_drops=1)
+                return False
+            try:
+                return self._write_entry(partition, entry_id, entry)
+            except self._errors as exc:
+                self._count(write_errors=1)
+                self._failed("write", exc)
+                return False
 
     def _write_entry(self, partition: Partition, entry_id: str, entry: CacheEntry) -> bool:
         """Blobs first, then the manifest, then the index: a reader that finds an index key finds the rest."""
@@ -562,6 +587,68 @@ class SharedTier:
         log.warning("shared tier %s: %s refused: %s", self.url, what, refused[0])
         return False
 
+    # -------------------------------------------------------------------------------------------------------------
+    # forgetting
+
+    def forget(self, namespace: str | None, fingerprint: str) -> int | None:
+        """Delete every key of ``namespace``'s partition of model ``fingerprint`` (of every namespace of that model,
+        for ``None``): manifests, blobs and index keys; return how many manifests (entries) went, or ``None`` if the
+        server could not do it (unreachable, or the ACL refuses ``SCAN``/``UNLINK``; a warning and
+        ``ckpt_shared_errors_total``).
+
+        Waits for a write in progress (its keys are then deleted too); writes of that partition queued before this
+        call write nothing. Keys are found with ``SCAN ... MATCH <partition>*`` and deleted with ``UNLINK`` in
+        batches of :data:`FORGET_BATCH`, never ``KEYS``: the server keeps serving other clients between round trips.
+        The cost grows with the server's whole keyspace (``SCAN`` walks it), about one round trip per
+        :data:`FORGET_SCAN_COUNT` keys. Other replicas' RAM and disk tiers are theirs to clear.
+        """
+        base = self.partition(namespace if namespace is not None else "", fingerprint).base
+        if namespace is None:
+            # "<prefix>:<fp>:<ns>:" -> "<prefix>:<fp>:": every namespace of the model (digests hold no ':').
+            base = base[: base.rstrip(":").rfind(":") + 1]
+        with self._write_lock:
+            with self._lock:
+                self._forgotten[base] = time.monotonic()
+                self._forgotten.move_to_end(base)
+                while len(self._forgotten) > _FORGETS:
+                    self._forgotten.popitem(last=False)
+                # A state of the partition offered again later is new state: write it then.
+                for entry_id in [i for i, (_, b) in self._recent.items() if b.startswith(base)]:
+                    del self._recent[entry_id]
+                # Later manifests must not name checkpoints whose blobs are about to go.
+                for key in [k for k in self._lineage if k[0].startswith(base)]:
+                    del self._lineage[key]
+            try:
+                return self._unlink_matching(_glob_escape(base) + "*")
+            except self._errors as exc:
+                self._failed("forget", exc)
+                return None
+
+    def _unlink_matching(self, pattern: str) -> int:
+        """``UNLINK`` every key matching ``pattern``, found by ``SCAN``; return how many were manifests."""
+        manifests = 0
+        batch: list[bytes] = []
+
+        def flush() -> int:
+            self._writer.unlink(*batch)
+            # A manifest's key is "<partition>e:<entry id>"; ids are hex digits, so the kind is the part before.
+            found = sum(1 for key in batch if key.rsplit(b":", 2)[-2] == b"e")
+            batch.clear()
+            return found
+
+        for key in self._writer.scan_iter(match=pattern, count=FORGET_SCAN_COUNT):
+            batch.append(key)
+            if len(batch) >= FORGET_BATCH:
+                manifests += flush()
+        if batch:
+            manifests += flush()
+        return manifests
+
+    def _forgotten_since(self, base: str, since: float) -> bool:
+        """Whether a partition whose keys start with ``base`` was forgotten at or after ``since``."""
+        with self._lock:
+            return any(base.startswith(prefix) and when >= since for prefix, when in self._forgotten.items())
+
     def publish_marker(self, owner: Any, marker: tuple[int, str]) -> bool:
         """Record that ``owner`` (a manager) offered its slot at ``marker`` (version, namespace); ``False`` if it
         already had."""
@@ -594,6 +681,11 @@ class SharedTier:
         out.update(available=int(self._up), queue_depth=self.queue_depth, url=self.url,
                    lookup_seconds=self.lookup_latency.snapshot(), fetch_seconds=self.fetch_latency.snapshot())
         return out
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis glob pattern (``SCAN ... MATCH``): the prefix is the operator's choice."""
+    return re.sub(r"([*?\[\]\\^])", r"\\\1", text)
 
 
 _TIERS: dict[tuple, SharedTier] = {}

@@ -3,6 +3,11 @@
 The file holds the tokens, the full state, the checkpoints and the draft and speculative state in the project's
 format (:mod:`ckpt_plugin.persist`), with the saving caller's namespace. Each operation holds the manager's lock for
 its whole length: no request can use the slot meanwhile.
+
+A restore reads the file once into state buffers of the manager's pool and validates those bytes; the file is never
+mapped, so a slot file truncated or rewritten while (or after) it is restored cannot fault the server (``SIGBUS``).
+A file that fails validation is refused and counted (``corrupt_slot_files``, part of ``corrupt_files`` in
+``manager.stats()`` and ``ckpt_corrupt_files_total``).
 """
 
 from __future__ import annotations
@@ -11,7 +16,13 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from .errors import EmptySlotError, ForeignNamespaceError, IncompatibleStateError, StateRestoreError
+from .errors import (
+    CorruptFileError,
+    EmptySlotError,
+    ForeignNamespaceError,
+    IncompatibleStateError,
+    StateRestoreError,
+)
 from .persist import read_entry, write_entry
 
 if TYPE_CHECKING:
@@ -46,7 +57,13 @@ def restore_slot(manager: CheckpointManager, path: str | os.PathLike[str],
     """
     started = time.perf_counter()
     namespace = namespace or manager.settings.namespace
-    entry = read_entry(path, expected_fingerprint=manager.fingerprint)
+    try:
+        # The cache's pool: the restored buffers are pinned against its budget and recycled within it.
+        entry = read_entry(path, expected_fingerprint=manager.fingerprint, pool=manager.cache.pool)
+    except CorruptFileError:
+        with manager.lock:  # the counters are the request path's, updated under this lock
+            manager.counters.corrupt_slot_files += 1
+        raise
     if entry.namespace != namespace:
         raise ForeignNamespaceError("the slot file was saved by another namespace")
     with manager.lock:

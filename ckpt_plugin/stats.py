@@ -1,4 +1,4 @@
-"""A manager's counters and the read-only views of its state: ``stats()`` and ``describe()``.
+"""A manager's counters and the read-only views of its state: ``stats()`` and ``describe()``; what a forget cleared.
 
 Both are safe to call from any thread while the model runs: they read snapshots (lists copied) of the slot and the
 cache, never the context.
@@ -7,7 +7,7 @@ cache, never the context.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 if TYPE_CHECKING:
     from .cache import CacheEntry
@@ -39,6 +39,7 @@ class Counters:
     disk_hits: int = 0
     restore_failures: int = 0
     draft_dropped: int = 0
+    corrupt_slot_files: int = 0
 
 
 def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
@@ -47,6 +48,9 @@ def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
     ``resident_bytes`` counts each state buffer held by the slot or the cache once; ``referenced_bytes`` counts it
     once per holder (what a copying cache would hold): their ratio is 1.0 when nothing is duplicated.
     ``state_bytes`` is what the budget (``state_budget_bytes``) bounds: entries, slot pins and recycled mappings.
+    ``corrupt_files`` counts the files that failed validation: slot files this manager was asked to restore
+    (``corrupt_slot_files``) plus the disk tier's (at its start-up scan and when read); a disk tier shared by
+    several managers shows its count under each, as it does ``disk_entries``.
     """
     cache = manager.cache
     checkpoints = list(manager.slot.checkpoints)
@@ -77,6 +81,8 @@ def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
         memory_kind=manager.kind.name,
         disk_entries=len(manager.disk) if manager.disk is not None else 0,
         disk_bytes=manager.disk.resident_bytes if manager.disk is not None else 0,
+        corrupt_files=manager.counters.corrupt_slot_files + (manager.disk.corrupt_files if manager.disk is not None
+                                                              else 0),
         shared=manager.store.shared.stats() if manager.store.shared is not None else None,
     )
     return out
@@ -103,3 +109,44 @@ def describe(manager: CheckpointManager, namespace: str | None = None) -> dict[s
         "cache": [{"namespace": e.namespace, "n_tokens": e.n_tokens, "bytes": e.nbytes, "hits": e.hits,
                    "checkpoints": len(e.checkpoints)} for e in manager.cache.entries(namespace)],
     }
+
+
+ENTRY_TIERS = ("ram", "disk", "shared")
+"""The tiers whose counts of forgotten entries :class:`Cleared` adds up (the slot is not an entry)."""
+
+
+class Cleared(int):
+    """What :meth:`CheckpointManager.clear_cache` forgot: an ``int``, the entries deleted over every tier (an entry
+    held in RAM and on disk counts once in each), with the counts per tier in :attr:`tiers`.
+
+    :ivar tiers: ``{"ram": n, "disk": n, "shared": n, "slot": 0 or 1}``: entries of the RAM cache, entry files of the
+        disk tier, manifests of the shared tier (``None``: the server could not be cleared, see the log), and
+        whether the live slot held that state and was emptied. A tier the manager does not have is left out.
+    """
+
+    tiers: dict[str, int | None]
+
+    def __new__(cls, tiers: Mapping[str, int | None]) -> Cleared:
+        made = super().__new__(cls, sum(tiers.get(name) or 0 for name in ENTRY_TIERS))
+        made.tiers = dict(tiers)
+        return made
+
+    @classmethod
+    def combine(cls, parts: Iterable[int]) -> Cleared:
+        """The sum of several managers' results, tier by tier (``None`` wins: one server not cleared is news).
+        Plain ``int`` parts count as RAM entries."""
+        tiers: dict[str, int | None] = {}
+        for part in parts:
+            for name, count in getattr(part, "tiers", {"ram": int(part)}).items():
+                if count is None or (name in tiers and tiers[name] is None):
+                    tiers[name] = None
+                else:
+                    tiers[name] = (tiers.get(name) or 0) + count
+        return cls(tiers)
+
+    def as_json(self) -> dict[str, Any]:
+        """The body of ``DELETE /checkpoints``: ``{"cleared": n, "tiers": {...}}``."""
+        return {"cleared": int(self), "tiers": dict(self.tiers)}
+
+    def __repr__(self) -> str:
+        return f"Cleared({int(self)}, tiers={self.tiers})"

@@ -42,7 +42,7 @@ class TieredStore:
     optional :class:`~ckpt_plugin.shared_tier.SharedTier`.
 
     :param ram: The RAM tier, which holds the byte budget of every state byte (see ``PromptCache.pin``).
-    :param disk: The disk tier, written through on admission and read back by mapping files.
+    :param disk: The disk tier, written through on admission and read back into buffers of the RAM tier's pool.
     :param events: The owner's admission, victim selection and eviction callbacks.
     :param shared: The shared tier (Redis), written behind on admission and on :meth:`publish`.
     """
@@ -56,7 +56,7 @@ class TieredStore:
 
     def lookup(self, namespace: str, fingerprint: str, prompt: np.ndarray, kind: MemoryKind | None = None,
                max_keep: int | None = None) -> list[Hit[CacheEntry]]:
-        """Candidates for ``prompt`` in every tier, RAM first; nothing is fetched (mapped) until a hit's ``fetch``.
+        """Candidates for ``prompt`` in every tier, RAM first; nothing is fetched (read) until a hit's ``fetch``.
 
         The shared tier is asked only with the memory ``kind`` (its fetch brings only what a plan of that kind
         restores), and only for prefixes longer than the local tiers hold (``max_keep`` as for the planner).
@@ -65,7 +65,7 @@ class TieredStore:
         hits = [Hit("ram", n_common, _fixed(entry)) for entry, n_common in ram]
         if self.disk is not None:
             disk = self.disk
-            hits += [Hit("disk", n_common, _mapper(disk, record))
+            hits += [Hit("disk", n_common, _reader(disk, record, self.ram))
                      for record, n_common in disk.lookup(namespace, fingerprint, prompt)]
         if self.shared is not None and kind is not None:
             limit = max(len(prompt) - 1, 0) if max_keep is None else max(0, min(len(prompt) - 1, max_keep))
@@ -90,8 +90,8 @@ class TieredStore:
         return admitted
 
     def promote(self, entry: CacheEntry, tier: str = "disk") -> bool:
-        """Bring an entry fetched from a lower tier into RAM, through the same admission as any entry (its mapped
-        pages are its buffers: nothing is copied)."""
+        """Bring an entry fetched from a lower tier into RAM, through the same admission as any entry (the buffers
+        it was read or fetched into are its buffers: nothing is copied again)."""
         if tier == "shared" and self.shared is not None:
             self.shared.count_hit()
         return self.admit(entry, write_through=False)
@@ -132,6 +132,18 @@ class TieredStore:
             self.events.evicted(entry, "cleared")
         return len(entries)
 
+    def forget(self, namespace: str | None, fingerprint: str) -> dict[str, int | None]:
+        """Delete ``namespace``'s entries (every entry, for ``None``) from every tier: RAM, the disk tier's files of
+        that namespace, and the shared tier's partition of that namespace and model ``fingerprint``; return the
+        count per tier (``{"ram": n, "disk": n, "shared": n}``, tiers present only; ``None`` for a shared tier
+        whose server could not be cleared)."""
+        tiers: dict[str, int | None] = {"ram": self.clear(namespace)}
+        if self.disk is not None:
+            tiers["disk"] = self.disk.clear(namespace)
+        if self.shared is not None:
+            tiers["shared"] = self.shared.forget(namespace, fingerprint)
+        return tiers
+
     def _report(self, removed: list[tuple[CacheEntry, str]]) -> None:
         for entry, reason in removed:
             self.events.evicted(entry, reason)
@@ -145,5 +157,6 @@ def _fixed(entry: CacheEntry) -> Callable[[], CacheEntry]:
     return lambda: entry
 
 
-def _mapper(disk: DiskTier, record: DiskRecord) -> Callable[[], CacheEntry | None]:
-    return lambda: disk.load(record)
+def _reader(disk: DiskTier, record: DiskRecord, ram: PromptCache) -> Callable[[], CacheEntry | None]:
+    # Read into the RAM tier's pool: the entry is promoted there, and its buffers' memory recycled within its budget.
+    return lambda: disk.load(record, ram.pool)

@@ -26,12 +26,14 @@ class Server:
         self.port = port
         self.log = log
         self.url = f"http://127.0.0.1:{port}"
+        self.metrics_key: str | None = None  # the operator key, where tenants are on and /metrics needs it
 
     def post(self, path: str, **kwargs: Any) -> httpx.Response:
         """``POST`` to ``path`` on this server."""
         return httpx.post(f"{self.url}{path}", timeout=120, **kwargs)
 
     def metric(self, name: str, api_key: str | None = None) -> float:
+        api_key = api_key or self.metrics_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text
         total = 0.0

@@ -1,4 +1,4 @@
-"""The on-disk format without a model: round trips, zero-copy reads, refusal of malformed files, atomic writes."""
+"""The on-disk format without a model: round trips, reads into private buffers, refusal of malformed files, atomic writes."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from ckpt_plugin import persist
 from ckpt_plugin.cache import CacheEntry
-from ckpt_plugin.checkpoint import Checkpoint, freeze
+from ckpt_plugin.checkpoint import Checkpoint, StateBufferPool, freeze
 from ckpt_plugin.errors import CheckpointError, IncompatibleStateError
 from ckpt_plugin.persist import (
     ALIGNMENT,
@@ -67,7 +67,7 @@ def make_entry(n_tokens: int = 10, n_checkpoints: int = 2, n_bytes: int = 300, d
 
 
 def mapping_of(array: np.ndarray) -> object:
-    """The object at the end of ``array``'s base chain (the mmap for a zero-copy read)."""
+    """The object at the end of ``array``'s base chain (a pool buffer's anonymous mmap)."""
     base = array
     while isinstance(base, np.ndarray):
         base = base.base
@@ -129,38 +129,42 @@ def test_round_trip_of_empty_tokens_and_empty_blobs(tmp_path: Path, n_checkpoint
         assert path.stat().st_size == persist.MIN_FILE_SIZE
 
 
-def test_read_buffers_are_read_only_aligned_views_of_one_mapping(tmp_path: Path) -> None:
+def test_read_buffers_are_read_only_aligned_private_buffers(tmp_path: Path) -> None:
     entry = make_entry(n_tokens=50, n_checkpoints=3, n_bytes=999, draft=77, speculative=3)
     path = tmp_path / "slot"
     write_entry(path, entry, model_fingerprint=FP)
     read = read_entry(path)
-    buffers = [read.tokens, *read.buffers()]
-    mappings = {id(mapping_of(b)) for b in buffers}
-    assert len(mappings) == 1 and isinstance(mapping_of(read.state.target), mmap.mmap)
-    for b in buffers:
+    blobs = list(read.buffers())
+    # Each blob is a state buffer of its own (a private anonymous mapping of the pool), never the file's pages:
+    # the cache counts and frees each one like a capture, and nothing done to the file can reach them.
+    mappings = {id(mapping_of(b)) for b in blobs}
+    assert len(mappings) == len(blobs) and all(isinstance(mapping_of(b), mmap.mmap) for b in blobs)
+    for b in [read.tokens, *blobs]:
         assert not b.flags.writeable and not b.flags.owndata
         assert b.ctypes.data % ALIGNMENT == 0, "payloads must be 64-byte aligned for C consumers"
         with pytest.raises(ValueError):
             b[:1] = 0
-    # Distinct regions of the same mapping: no buffer overlaps another.
+    buffers = [read.tokens, *blobs]
     for i, a in enumerate(buffers):
         for b in buffers[i + 1:]:
             if a.nbytes and b.nbytes:
                 assert not np.shares_memory(a, b)
 
 
-def test_reading_maps_instead_of_copying(tmp_path: Path) -> None:
+def test_reading_puts_state_bytes_in_pool_buffers_not_the_heap(tmp_path: Path) -> None:
     big = Checkpoint(4, 0, 3, False, freeze(np.full(32 << 20, 7, np.uint8)), FP)
     entry = CacheEntry(np.arange(4, dtype=np.int32), big, ())
     path = tmp_path / "big"
     size = write_entry(path, entry, model_fingerprint=FP)
+    pool = StateBufferPool(0, spares=False)
     tracemalloc.start()
     try:
-        read = read_entry(path)
+        read = read_entry(path, pool=pool)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < SLACK, f"reading a {size}-byte file allocated {peak} bytes"
+    assert peak < SLACK, f"reading a {size}-byte file allocated {peak} bytes on the heap"
+    assert pool.mapped == 1, "the state went into one buffer of the given pool"
     assert read.state.target.nbytes == 32 << 20 and int(read.state.target[-1]) == 7
 
 
@@ -185,7 +189,7 @@ def test_writes_hand_the_buffers_themselves_to_the_file_in_chunks(tmp_path: Path
     assert_same_entry(read_entry(path), entry)
 
 
-def test_a_mapped_entry_stays_valid_when_the_file_is_replaced(tmp_path: Path) -> None:
+def test_an_entry_read_stays_valid_when_the_file_is_replaced(tmp_path: Path) -> None:
     path = tmp_path / "slot"
     first = make_entry(n_bytes=500)
     write_entry(path, first, model_fingerprint=FP)
@@ -503,7 +507,7 @@ import sys, time
 import numpy as np
 from ckpt_plugin import persist
 from ckpt_plugin.cache import CacheEntry
-from ckpt_plugin.checkpoint import Checkpoint, freeze
+from ckpt_plugin.checkpoint import Checkpoint, StateBufferPool, freeze
 
 path, mode = sys.argv[1], sys.argv[2]
 

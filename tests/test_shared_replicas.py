@@ -216,6 +216,7 @@ def test_the_draft_models_state_travels_with_the_conversation(tiny_model: Any, r
     args = shared_args(path, redis_server.url, "draft", "--checkpoint-draft-model", str(path),
                        "--checkpoint-admin", "true", "--checkpoint-admin-key", "operator")
     with run_server(args) as a, run_server(args) as b, run_server(model_args(path, flash_attn="false"), plain=True) as plain:
+        a.metrics_key = b.metrics_key = "operator"
         messages = conversation("draft")
         first = served(a, messages)
         messages += [{"role": "assistant", "content": content(first)}, {"role": "user", "content": USERS[1]}]

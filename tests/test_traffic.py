@@ -184,7 +184,7 @@ def test_failing_requests_leave_the_server_answering(tiny_model: Any, plain: Any
     with run_server(model_args(tiny_model("llama"))) as ours:
         http = httpx.Client(base_url=ours.url, timeout=BOUND)
         bad_grammar = http.post("/v1/chat/completions", json={"messages": messages_of(0), "grammar": "root ::= ("})
-        assert bad_grammar.status_code == 422 and bad_grammar.json()["error"]["code"] == "invalid_request"
+        assert bad_grammar.status_code == 422 and bad_grammar.json()["error"]["code"] == "invalid_grammar"
         # a context overflow fails inside the host's generation
         long = http.post("/v1/completions", json={"prompt": "the cat " * 3000, "max_tokens": 4})
         assert 400 <= long.status_code < 500

@@ -7,13 +7,13 @@ from typing import Any
 
 import llama_cpp.server.app as host
 from llama_cpp.server.settings import ModelSettings, ServerSettings
-from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
 from ckpt_plugin import host_compat
 from ckpt_plugin.config import ServeSettings
-from ckpt_plugin.llama_backend import grammar_error
+from ckpt_plugin.grammar_guard import GrammarGuard
 from ckpt_plugin.middleware import CheckpointMiddleware
 
+from .guards import host_route_guards, warm_up
 from .proxy import CheckpointLlamaProxy
 
 
@@ -36,30 +36,16 @@ def create_app(
         host.LlamaProxy = original  # type: ignore[misc]
     proxy: CheckpointLlamaProxy = host_compat.server_llama_proxy(host)
     app.state.llama_proxy = proxy
+    grammars = GrammarGuard()
+    app.state.grammar_guard = grammars
+    # Every route the host serves is guarded by what it does: llama_cpp.server answers a bad body with a 500, and a
+    # few (a grammar it cannot compile, a token id outside the vocabulary) with a dead process.
     app.add_middleware(
         CheckpointMiddleware,
         managers=lambda: proxy.managers,
         settings=settings,
         api_key=server_settings.api_key,
-        # llama_cpp.server answers an invalid body with a 500; refuse it with a 422 before the model is touched.
-        validators={
-            "/chat/completions": _validator(CreateChatCompletionRequest, proxy),
-            "/v1/completions": _validator(CreateCompletionRequest, proxy),
-        },
+        guards=host_route_guards(app, proxy, grammars),
     )
+    warm_up(grammars, proxy)
     return app
-
-
-def _validator(model: Any, proxy: CheckpointLlamaProxy) -> Any:
-    """The host's request schema, and a grammar llama.cpp can parse (the host itself dies on one it cannot)."""
-
-    def validate(payload: dict[str, Any]) -> None:
-        model.model_validate(payload)
-        grammar = payload.get("grammar")
-        if isinstance(grammar, str):
-            for manager in list(proxy.managers.values())[:1]:
-                problem = grammar_error(manager.backend.llama, grammar)
-                if problem is not None:
-                    raise ValueError(f"grammar: {problem}")
-
-    return validate

@@ -51,6 +51,8 @@ CHECKPOINT_FLAGS: dict[str, str] = {
     "--checkpoint-admin-key": "admin_key",
     "--checkpoint-max-body": "max_body_bytes",
     "--checkpoint-shutdown-timeout": "shutdown_timeout",
+    "--checkpoint-request-timeout": "request_timeout",
+    "--checkpoint-request-max-tokens": "request_max_tokens",
     "--swa_full": "swa_full",
 }
 
@@ -181,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     stop_auto_attach()
 
     app = create_app(server, models, checkpoints)
+    # sse-starlette ends every stream at once on SIGTERM; streams in flight get shutdown_timeout to finish instead
+    # (uvicorn's graceful shutdown cancels what is left after it).
+    from sse_starlette.sse import AppStatus
+
+    AppStatus.disable_automatic_graceful_drain()
     uvicorn.run(
         app,
         host=os.getenv("HOST", server.host),
