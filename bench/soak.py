@@ -165,13 +165,35 @@ class Soak:
         self.note("dropped", status, time.monotonic() - started)
 
     def malformed(self, http: httpx.Client, rng: random.Random) -> None:
-        bodies = [b"{not json", b"[1, 2]", b'{"messages": "nope"}', b'{"messages": ' + b"[" * 5000]
+        json_type = {"content-type": "application/json"}
+        chat = "/v1/chat/completions"
+        requests: list[tuple[str, str, bytes, dict[str, str]]] = [
+            ("POST", chat, body, json_type)
+            for body in (b"{not json", b"[1, 2]", b'{"messages": "nope"}', b'{"messages": ' + b"[" * 5000)
+        ]
         if self.slot_routes:
-            # llama_cpp.server alone dies of this one (SIGSEGV in llama.cpp's grammar sampler): not sent to it
-            bodies.append(b'{"messages": [], "grammar": "root ::= ("}')
+            # Each of these kills llama_cpp.server alone (segfault or abort) or gets a 500 from it: not sent to it.
+            requests += [
+                ("POST", chat, b'{"messages": [], "grammar": "root ::= ("}', json_type),
+                ("POST", "/v1/engines/copilot-codex/completions",
+                 b'{"prompt": "hi", "max_tokens": 4, "grammar": "root ::= ("}', json_type),
+                ("POST", "/v1/completions", b'{"prompt": "hi", "grammar": "root ::= ' + b"(" * 50_000 + b'"a"'
+                 + b")" * 50_000 + b'"}', json_type),
+                ("POST", chat, json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                           "response_format": {"type": "json_object", "schema": {
+                                               "type": "object", "properties": {'a"b': {"type": "string"}}}}}
+                                          ).encode(), json_type),
+                ("POST", "/extras/detokenize", b'{"tokens": [999999999]}', json_type),
+                ("POST", "/extras/detokenize", b'{"tokens": [-1]}', json_type),
+                ("POST", "/v1/completions", b'{"prompt": "hi"}', {"content-type": "text/plain"}),
+                ("POST", "/v1/completions", b'{"prompt": "\\ud800"}', json_type),
+                ("POST", "/v1/completions", b'{"prompt": "hi", "logit_bias": {"abc": 5}}', json_type),
+                ("POST", "/extras/tokenize", b"\xff\xfe", json_type),
+                ("TRACE", "/metrics", b"", {}),
+            ]
+        method, path, body, headers = rng.choice(requests)
         started = time.monotonic()
-        response = http.post("/v1/chat/completions", content=rng.choice(bodies),
-                             headers={"content-type": "application/json"})
+        response = http.request(method, path, content=body, headers=headers)
         self.note("malformed", response.status_code, time.monotonic() - started)
 
     def slot(self, http: httpx.Client, rng: random.Random, client_id: int) -> None:
