@@ -4,6 +4,9 @@ Python runs ``import`` lines of ``.pth`` files in site-packages at start, so ``C
 changing a program's command (``docs/ckpt-run.md``). The line imports nothing unless the variable is set.
 setuptools has no option for a file at the top of site-packages (``data-files`` go under ``sys.prefix``), so
 ``build_py`` writes it: into the build directory for a wheel, into the editable wheel's root for ``pip install -e``.
+
+setuptools loads this module by its path in the project root (``[tool.setuptools.cmdclass]`` in pyproject.toml), so
+it is no package of the distribution: MANIFEST.in puts it in the sdist, for wheels built from the sdist.
 """
 
 from __future__ import annotations

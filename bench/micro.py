@@ -157,7 +157,7 @@ def open_context() -> Context:
 
 def drop_reused_capture(manager: ckpt_plugin.CheckpointManager) -> None:
     """Forget the full capture ``save()`` reuses while the slot does not change, as a change of the slot would."""
-    manager._full_capture = None
+    manager.slots[0]._full_capture = None
 
 
 def save_changed(manager: ckpt_plugin.CheckpointManager) -> ckpt_plugin.CacheEntry:
@@ -209,7 +209,7 @@ def measure_capture(c: Context, other: Llama, repeats: int) -> dict[str, Samples
         "llama_state_seq_get_size_ext (partial)": lambda: llama_cpp.llama_state_seq_get_size_ext(
             c.ctx, 0, _flags(True)
         ),
-        "manager._capture(partial=False)": replacing(lambda: m._capture(partial=False)),
+        "manager._capture(partial=False)": replacing(lambda: m.slots[0]._capture(partial=False)),
         "manager.save() (changed slot)": forced_save(m),
         "raw get full, preallocated buffer": raw_get(c.ctx, warm_buffer(c.full_bytes), False),
         "raw get full, fresh np.empty": replacing(lambda: _get_into_fresh(c.ctx, c.full_bytes, False)),
@@ -225,10 +225,10 @@ def measure_restore(c: Context, repeats: int) -> dict[str, Samples]:
     for check in (raw_set(c.ctx, checkpoint.target, True), raw_set(c.ctx, entry.state.target, False)):
         assert check() > 0, "llama.cpp refused a state it just produced"
     cases: dict[str, Case | Callable[[], object]] = {
-        "manager._restore(checkpoint) (partial)": lambda: m._restore(checkpoint),
+        "manager._restore(checkpoint) (partial)": lambda: m.slots[0]._restore(checkpoint),
         "raw set partial, same buffer": raw_set(c.ctx, checkpoint.target, True),
         "manager.load(entry) (full)": lambda: m.load(entry),
-        "manager._restore(entry.state) (full)": lambda: m._restore(entry.state),
+        "manager._restore(entry.state) (full)": lambda: m.slots[0]._restore(entry.state),
         "raw set full, same buffer": raw_set(c.ctx, entry.state.target, False),
     }
     return measure(cases, repeats)
@@ -295,10 +295,10 @@ def measure_memory(c: Context) -> list[MemoryRow]:
 
     ops: list[tuple[str, int, tuple[Callable[[], object], Callable[[object], int | None]]]] = [
         ("manager.checkpoint() (partial)", c.partial_bytes, by_manager(m.checkpoint)),
-        ("manager._capture(partial=False)", c.full_bytes, by_manager(lambda: m._capture(partial=False))),
+        ("manager._capture(partial=False)", c.full_bytes, by_manager(lambda: m.slots[0]._capture(partial=False))),
         ("manager.save() (changed slot)", c.full_bytes, by_manager(lambda: save_changed(m))),
         ("manager.save() (unchanged slot)", c.full_bytes, by_manager(m.save)),
-        ("manager._restore(checkpoint) (partial)", c.partial_bytes, by_manager(lambda: m._restore(checkpoint))),
+        ("manager._restore(checkpoint) (partial)", c.partial_bytes, by_manager(lambda: m.slots[0]._restore(checkpoint))),
         ("manager.load(entry) (full)", c.full_bytes, by_manager(lambda: m.load(entry))),
         ("raw get partial, preallocated buffer", c.partial_bytes,
          by_raw(raw_get(c.ctx, warm_buffer(c.partial_bytes), True))),

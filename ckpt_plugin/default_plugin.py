@@ -20,9 +20,10 @@ class DefaultPlugin:
 
     @hookimpl(trylast=True)
     def checkpoint_wanted(self, manager: CheckpointManager, slot: Slot, position: int, prompt_end: int) -> bool:
+        controller = manager.slots[slot.id]
         return want_checkpoint(
-            manager.kind, manager.rules, slot.checkpoints, position, prompt_end, manager.backend.pos_min(),
-            manager.branch_point,
+            manager.kind, manager.rules, slot.checkpoints, position, prompt_end, controller.backend.pos_min(),
+            controller.branch_point,
         )
 
     @hookimpl(trylast=True)
@@ -30,7 +31,7 @@ class DefaultPlugin:
         self, manager: CheckpointManager, slot: Slot, start: int, end: int, prompt_end: int
     ) -> None:
         if manager.hooks.checkpoint_wanted(slot, position=end, prompt_end=prompt_end):
-            manager.checkpoint()
+            manager.slots[slot.id].checkpoint()
 
     @hookimpl(trylast=True)
     def on_cache_alloc(self, manager: CheckpointManager, namespace: str, n_tokens: int, n_bytes: int) -> bool:

@@ -89,7 +89,7 @@ def checkpoint_wanted(
 
     Stops at the first non-``None`` result. The default plugin answers last with the rules of
     :func:`ckpt_plugin.policy.want_checkpoint` (the step grid, the closing checkpoint, and the prompt's branch point,
-    ``manager.branch_point``); return ``True`` or ``False`` to replace them.
+    ``manager.slots[slot.id].branch_point``); return ``True`` or ``False`` to replace them.
 
     :param manager: The calling manager.
     :param slot: The slot (``slot.n_tokens == position``).

@@ -88,7 +88,12 @@ def memory_kind(llama: Llama) -> MemoryKind:
 
 def fingerprint(llama: Llama) -> str:
     """A digest of what makes a state restorable: model file identity, context and cache settings, LoRAs."""
-    params = llama.context_params
+    return fingerprint_of(llama, llama.context_params, int(llama.n_ctx()), 1)
+
+
+def fingerprint_of(llama: Llama, params: Any, n_ctx: int, n_seq: int) -> str:
+    """The fingerprint of a context of ``llama``'s model made with ``params`` (``n_ctx`` cells, ``n_seq``
+    sequences)."""
     try:
         stat = os.stat(llama.model_path)
         file_id = (os.path.realpath(llama.model_path), stat.st_size, stat.st_mtime_ns)
@@ -100,7 +105,7 @@ def fingerprint(llama: Llama) -> str:
         file_id,
         desc.value,
         int(llama_cpp.llama_model_n_params(llama.model)),
-        int(llama.n_ctx()),
+        int(n_ctx),
         int(params.type_k),
         int(params.type_v),
         bool(params.swa_full),
@@ -109,6 +114,8 @@ def fingerprint(llama: Llama) -> str:
         str(getattr(llama, "lora_path", None)),
         float(getattr(llama, "lora_scale", 1.0) or 1.0),
     )
+    if n_seq > 1:  # a one-sequence context keeps the digest it always had (disk tiers and slot files stay valid)
+        parts = (*parts, n_seq, bool(params.kv_unified))
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 

@@ -6,7 +6,7 @@ counted twice); the restore latency histogram is fed by a plugin observing ``on_
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -122,9 +122,9 @@ class RestoreLatency:
         self._observe = histogram.labels(model=model).observe
 
     @hookimpl
-    def on_slot_restore(self, manager: CheckpointManager, slot: object, checkpoint: object, entry: object,
+    def on_slot_restore(self, manager: CheckpointManager, slot: Any, checkpoint: object, entry: object,
                         n_tokens: int) -> None:
-        self._observe(manager.last_restore_seconds)
+        self._observe(manager.slots[slot.id].last_restore_seconds)
 
 
 class Metrics:

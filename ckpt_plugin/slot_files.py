@@ -26,10 +26,10 @@ from .errors import (
 from .persist import read_entry, write_entry
 
 if TYPE_CHECKING:
-    from .manager import CheckpointManager
+    from .slot_control import SlotController
 
 
-def save_slot(manager: CheckpointManager, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:
+def save_slot(controller: SlotController, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:
     """Write the slot (tokens, full state, checkpoints, draft and speculative state) to ``path`` atomically.
 
     :param namespace: The caller's namespace (the manager's own by default); the file records it.
@@ -37,17 +37,17 @@ def save_slot(manager: CheckpointManager, path: str | os.PathLike[str], namespac
     :return: ``{"n_saved": tokens, "n_written": bytes, "save_ms": ...}``.
     """
     started = time.perf_counter()
-    namespace = namespace or manager.settings.namespace
-    with manager.lock:
-        manager.reconcile()
-        if manager.slot.namespace != namespace or manager.slot.n_tokens == 0:
+    namespace = namespace or controller.settings.namespace
+    with controller.lock:
+        controller.reconcile()
+        if controller.slot.namespace != namespace or controller.slot.n_tokens == 0:
             raise EmptySlotError("the slot holds no state of this caller to save")
-        entry = manager.save()
-        written = write_entry(path, entry, model_fingerprint=manager.fingerprint)
+        entry = controller.save()
+        written = write_entry(path, entry, model_fingerprint=controller.fingerprint)
     return {"n_saved": entry.n_tokens, "n_written": written, "save_ms": (time.perf_counter() - started) * 1e3}
 
 
-def restore_slot(manager: CheckpointManager, path: str | os.PathLike[str],
+def restore_slot(controller: SlotController, path: str | os.PathLike[str],
                  namespace: str | None = None) -> dict[str, Any]:
     """Restore the slot from a slot file; a file that is corrupt, made for another model or context, or saved by
     another namespace is refused and the slot stays exactly as it was.
@@ -56,39 +56,39 @@ def restore_slot(manager: CheckpointManager, path: str | os.PathLike[str],
     :return: ``{"n_restored": tokens, "n_read": bytes, "restore_ms": ...}``.
     """
     started = time.perf_counter()
-    namespace = namespace or manager.settings.namespace
+    namespace = namespace or controller.settings.namespace
     try:
         # The cache's pool: the restored buffers are pinned against its budget and recycled within it.
-        entry = read_entry(path, expected_fingerprint=manager.fingerprint, pool=manager.cache.pool)
+        entry = read_entry(path, expected_fingerprint=controller.fingerprint, pool=controller.store.ram.pool)
     except CorruptFileError:
-        with manager.lock:  # the counters are the request path's, updated under this lock
-            manager.counters.corrupt_slot_files += 1
+        with controller.lock:  # the counters are the request path's, updated under this lock
+            controller.counters.corrupt_slot_files += 1
         raise
     if entry.namespace != namespace:
         raise ForeignNamespaceError("the slot file was saved by another namespace")
-    with manager.lock:
-        manager.reconcile()
+    with controller.lock:
+        controller.reconcile()
         # Another tenant's live state is parked in its own partition, never handed over.
-        manager.enter_namespace(namespace)
-        previous = manager.save() if manager.slot.n_tokens else None
+        controller.enter_namespace(namespace)
+        previous = controller.save() if controller.slot.n_tokens else None
         try:
-            manager.load(entry)
+            controller.load(entry)
         except (IncompatibleStateError, StateRestoreError):
             if previous is not None:
-                manager.load(previous)
+                controller.load(previous)
             raise
     n_read = sum(int(b.nbytes) for b in {id(b): b for b in entry.buffers()}.values())
     return {"n_restored": entry.n_tokens, "n_read": n_read, "restore_ms": (time.perf_counter() - started) * 1e3}
 
 
-def erase_slot(manager: CheckpointManager, namespace: str | None = None) -> dict[str, Any]:
+def erase_slot(controller: SlotController, namespace: str | None = None) -> dict[str, Any]:
     """Empty the slot (memory and checkpoints) if it holds ``namespace``'s state; the prompt cache keeps its entries.
     Another namespace's live state is left alone (``n_erased`` 0)."""
-    namespace = namespace or manager.settings.namespace
-    with manager.lock:
-        if manager.slot.namespace != namespace:
+    namespace = namespace or controller.settings.namespace
+    with controller.lock:
+        if controller.slot.namespace != namespace:
             return {"n_erased": 0}
-        manager.reconcile()
-        n_erased = manager.slot.n_tokens
-        manager.clear_slot()
+        controller.reconcile()
+        n_erased = controller.slot.n_tokens
+        controller.clear_slot()
     return {"n_erased": n_erased}

@@ -45,7 +45,7 @@ class Counters:
 def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
     """Counters plus memory figures.
 
-    ``resident_bytes`` counts each state buffer held by the slot or the cache once; ``referenced_bytes`` counts it
+    ``resident_bytes`` counts each state buffer held by a slot or the cache once; ``referenced_bytes`` counts it
     once per holder (what a copying cache would hold): their ratio is 1.0 when nothing is duplicated.
     ``state_bytes`` is what the budget (``state_budget_bytes``) bounds: entries, slot pins and recycled mappings.
     ``corrupt_files`` counts the files that failed validation: slot files this manager was asked to restore
@@ -53,7 +53,8 @@ def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
     several managers shows its count under each, as it does ``disk_entries``.
     """
     cache = manager.cache
-    checkpoints = list(manager.slot.checkpoints)
+    slots = [controller.slot for controller in manager.slots]
+    checkpoints = [c for slot in slots for c in list(slot.checkpoints)]
     entries = cache.entries()
     unique: dict[int, int] = {}
     referenced = 0
@@ -75,9 +76,10 @@ def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
         cache_entries=len(entries),
         cache_bytes=cache.resident_bytes - slot_only,
         cache_tokens=cache.n_tokens,
-        slot_tokens=manager.slot.n_tokens,
-        lineage_tokens=manager.slot.n_lineage,
+        slot_tokens=sum(slot.n_tokens for slot in slots),
+        lineage_tokens=sum(slot.n_lineage for slot in slots),
         slot_checkpoints=len(checkpoints),
+        slots=len(slots),
         memory_kind=manager.kind.name,
         disk_entries=len(manager.disk) if manager.disk is not None else 0,
         disk_bytes=manager.disk.resident_bytes if manager.disk is not None else 0,
@@ -89,18 +91,19 @@ def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
 
 
 def describe(manager: CheckpointManager, namespace: str | None = None) -> dict[str, Any]:
-    """A JSON-able view of the slot, its checkpoints and the cache entries; of ``namespace`` only, if given (the slot
-    is shown only while it holds that namespace's state)."""
+    """A JSON-able view of the slots, their checkpoints and the cache entries; of ``namespace`` only, if given (a
+    slot is shown only while it holds that namespace's state)."""
 
     def checkpoint_view(c: Checkpoint) -> dict[str, Any]:
         return {"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max, "partial": c.partial,
                 "bytes": c.nbytes}
 
-    slot = manager.slot
-    slots = []
-    if namespace is None or slot.namespace == namespace:
-        slots.append({"id": slot.id, "n_tokens": slot.n_tokens, "namespace": slot.namespace,
-                      "checkpoints": [checkpoint_view(c) for c in list(slot.checkpoints)]})
+    slots = [
+        {"id": slot.id, "n_tokens": slot.n_tokens, "namespace": slot.namespace,
+         "checkpoints": [checkpoint_view(c) for c in list(slot.checkpoints)]}
+        for slot in (controller.slot for controller in manager.slots)
+        if namespace is None or slot.namespace == namespace
+    ]
     return {
         "fingerprint": manager.fingerprint,
         "memory_kind": manager.kind.name,

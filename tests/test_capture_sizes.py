@@ -46,4 +46,4 @@ def test_a_learned_size_that_no_longer_holds_is_measured_again() -> None:
     second = manager.checkpoint()
     assert first is not None and second is not None
     assert second.target.nbytes == backend.state_size(True) > first.target.nbytes
-    assert manager.counters.capture_failures == 0 and not manager._partial_sizes.trusted
+    assert manager.counters.capture_failures == 0 and not manager.captures.partial_sizes.trusted

@@ -72,7 +72,7 @@ def test_tenants_and_models_never_see_each_other(server: RedisServer) -> None:
     other_tenant = replica(server.url, namespace="key:tenant-b", prefix="tenants")
     assert continue_on(other_tenant, PROMPT + [7, 8]) == 0
     other_model = replica(server.url, namespace="key:tenant-a", prefix="tenants")
-    other_model.fingerprint = "another-model"
+    other_model.captures.fingerprint = "another-model"  # states it captures and looks up are another model's
     assert continue_on(other_model, PROMPT + [7, 8]) == 0
     same = replica(server.url, namespace="key:tenant-a", prefix="tenants")
     assert continue_on(same, PROMPT + [7, 8]) > 150

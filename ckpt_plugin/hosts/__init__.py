@@ -1,0 +1,1 @@
+"""Host adapters: the code that knows one host library (llama-cpp-python) and nothing above the engine."""

@@ -1,0 +1,1 @@
+"""llama-cpp-python behind one door: contexts, sequences, state copies and the patching of a ``Llama``."""

@@ -1,0 +1,151 @@
+"""A llama.cpp context with several sequences over the weights of a ``Llama``: one engine slot per sequence id.
+
+llama-cpp-python's ``Llama`` creates its context with one sequence. :class:`SequenceContext` creates a second context
+on the same model (no second copy of the weights) with ``n_seq`` sequences and a unified KV cache of ``n_ctx`` cells
+that the sequences share, as llama.cpp's server does with ``--parallel``; each :class:`SequenceBackend` is one
+sequence, the :class:`~ckpt_plugin.slot.Backend` of one engine slot. A state captured from one sequence restores into
+any other of the same context (the fingerprint covers the context's parameters and its number of sequences).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import llama_cpp
+import numpy as np
+from llama_cpp.llama import Llama
+
+from ...errors import StateRestoreError
+from ...llama_backend import _flags, _u8_p, _writable_start, fingerprint_of, memory_kind
+from ...policy import MemoryKind
+
+
+class SequenceContext:
+    """``n_seq`` sequences in one llama.cpp context over ``llama``'s model.
+
+    :param llama: Gives the model and the context parameters (threads, flash attention, cache types, window).
+    :param n_seq: Sequences (slots).
+    :param n_ctx: Cells of the unified KV cache the sequences share (default: ``llama``'s ``n_ctx``).
+    :ivar kind: The memory kind.
+    :ivar fingerprint: What a state of this context must carry to be restored here.
+    """
+
+    def __init__(self, llama: Llama, n_seq: int, n_ctx: int | None = None) -> None:
+        if n_seq < 1:
+            raise ValueError("a context needs at least one sequence")
+        self.llama = llama  # keeps the model alive as long as this context
+        # A copy: the Llama's own parameters stay as they are.
+        params = type(llama.context_params).from_buffer_copy(llama.context_params)
+        params.n_ctx = int(n_ctx or llama.n_ctx())
+        params.n_seq_max = n_seq
+        params.kv_unified = True
+        self.ctx = llama_cpp.llama_init_from_model(llama.model, params)
+        if not self.ctx:
+            raise MemoryError(f"llama.cpp could not create a context of {params.n_ctx} cells for {n_seq} sequences")
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.n_seq = n_seq
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.n_batch = int(llama_cpp.llama_n_batch(self.ctx))
+        self.n_vocab = int(llama.n_vocab())
+        self.kind: MemoryKind = memory_kind(llama)
+        self.fingerprint = fingerprint_of(llama, params, self.n_ctx, n_seq)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._logits = np.zeros((n_seq, self.n_vocab), dtype=np.single)
+        self._decoding = threading.Lock()  # one llama_decode at a time on the context
+        self._closed = False
+
+    def sequence(self, seq_id: int) -> SequenceBackend:
+        """The :class:`~ckpt_plugin.slot.Backend` of sequence ``seq_id``."""
+        if not 0 <= seq_id < self.n_seq:
+            raise ValueError(f"sequence {seq_id} is not one of this context's {self.n_seq}")
+        return SequenceBackend(self, seq_id)
+
+    def decode(self, seq_id: int, tokens: np.ndarray) -> None:
+        """Evaluate ``tokens`` after sequence ``seq_id``'s last position, in batches of ``n_batch``; the logits of
+        the last token are kept (:meth:`logits`)."""
+        batch = self._batch
+        with self._decoding:
+            position = int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id)) + 1
+            for start in range(0, len(tokens), self.n_batch):
+                chunk = tokens[start : start + self.n_batch]
+                n = len(chunk)
+                for i, token in enumerate(chunk.tolist()):
+                    batch.token[i] = token
+                    batch.pos[i] = position + i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = seq_id
+                    batch.logits[i] = i == n - 1
+                batch.n_tokens = n
+                status = int(llama_cpp.llama_decode(self.ctx, batch))
+                if status != 0:
+                    raise StateRestoreError(f"llama_decode failed with {status} on sequence {seq_id}")
+                position += n
+            if len(tokens):
+                row = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+                self._logits[seq_id] = np.ctypeslib.as_array(row, shape=(self.n_vocab,))
+
+    def logits(self, seq_id: int) -> np.ndarray:
+        """A read-only view of the logits of the last token decoded for sequence ``seq_id``."""
+        view = self._logits[seq_id]
+        view.flags.writeable = False
+        return view
+
+    def close(self) -> None:
+        """Free the context (its sequences are unusable afterwards)."""
+        if not self._closed:
+            self._closed = True
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self.ctx)
+
+    def __enter__(self) -> SequenceContext:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class SequenceBackend:
+    """One sequence of a :class:`SequenceContext`: an engine slot's :class:`~ckpt_plugin.slot.Backend`.
+
+    :param context: The context.
+    :param seq_id: The sequence.
+    """
+
+    def __init__(self, context: SequenceContext, seq_id: int) -> None:
+        self.context = context
+        self.seq_id = seq_id
+        self.kind = context.kind
+        self.fingerprint = context.fingerprint
+        self.n_ctx = context.n_ctx
+
+    def state_size(self, partial: bool) -> int:
+        return int(llama_cpp.llama_state_seq_get_size_ext(self.context.ctx, self.seq_id, _flags(partial)))
+
+    def read_state(self, buffer: np.ndarray, partial: bool) -> int:
+        return int(llama_cpp.llama_state_seq_get_data_ext(
+            self.context.ctx, _writable_start(buffer), buffer.nbytes, self.seq_id, _flags(partial)))
+
+    def write_state(self, buffer: np.ndarray, partial: bool) -> int:
+        # The read-only buffer is handed over by address: llama.cpp only reads it.
+        return int(llama_cpp.llama_state_seq_set_data_ext(
+            self.context.ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, self.seq_id, _flags(partial)))
+
+    def pos_min(self) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_min(self.context.memory, self.seq_id))
+
+    def pos_max(self) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_max(self.context.memory, self.seq_id))
+
+    def truncate(self, n_keep: int) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, n_keep, -1))
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, -1, -1)
+
+    def decode(self, tokens: np.ndarray) -> None:
+        self.context.decode(self.seq_id, tokens)
+
+    def logits(self) -> np.ndarray:
+        """The logits of the last token this sequence decoded."""
+        return self.context.logits(self.seq_id)
