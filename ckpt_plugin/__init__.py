@@ -35,7 +35,8 @@ from .persist import decode_entry, encode_entry, read_entry, safe_path, write_en
 from .hooks import PROJECT_NAME, hookimpl, hookspec
 from .manager import Backend, CheckpointManager, Counters, Slot
 from .policy import CheckpointRules, MemoryKind
-from .shared_tier import SharedTier, publish
+from .publishing import publish
+from .shared_tier import SharedTier
 
 __version__ = "0.1.0"
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import numpy as np
 
 from .checkpoint import Checkpoint, StateBuffer, StateBufferPool
+from .eviction import Chooser, evict_until
 from .radix import RadixIndex
 
 DEFAULT_MAX_BYTES = 2 << 30
@@ -36,7 +37,7 @@ def recycle_allowance(max_bytes: int) -> int:
     """
     return min(MAX_RECYCLE_BYTES, max_bytes // 16)
 
-Victims = Callable[[Sequence["CacheEntry"], int], Sequence["CacheEntry"]]
+Victims = Chooser["CacheEntry"]
 """Picks victims among LRU-ordered entries for a byte shortfall (``select_cache_victims``)."""
 
 
@@ -292,32 +293,19 @@ class PromptCache:
     ) -> tuple[bool, list[tuple[CacheEntry, str]]]:
         """Evict until ``entry`` (or nothing, for ``None``) fits the budgets; return whether it does and the victims.
 
-        The one eviction loop of the cache: insertions, pins and budget changes all go through it, and so through
-        the ``select_cache_victims`` selector when one is given.
+        Insertions, pins and budget changes all come here, and through :func:`~ckpt_plugin.eviction.evict_until`
+        (the ``select_cache_victims`` selector when one is given).
         """
-        removed: list[tuple[CacheEntry, str]] = []
-        while True:
-            n_bytes = self.new_bytes(entry) if entry is not None else 0
-            n_tokens = entry.n_tokens if entry is not None else 0
-            missing = self.resident_bytes + n_bytes - self.entry_budget
-            over_tokens = self.max_tokens is not None and self.n_tokens + n_tokens > self.max_tokens
-            if missing <= 0 and not over_tokens:
-                return True, removed
-            progressed = False
-            candidates = list(self._lru.values())
-            for victim in list(select_victims(candidates, max(0, missing)) if select_victims else candidates):
-                if id(victim) not in self._lru:
-                    continue  # a selector may name entries the cache no longer holds
-                self.remove(victim)
-                removed.append((victim, "budget"))
-                progressed = True
-                n_bytes = self.new_bytes(entry) if entry is not None else 0
-                if self.resident_bytes + n_bytes <= self.entry_budget and not (
-                    self.max_tokens is not None and self.n_tokens + n_tokens > self.max_tokens
-                ):
-                    return True, removed
-            if not progressed:
-                return False, removed
+        n_tokens = entry.n_tokens if entry is not None else 0
+
+        def shortfall() -> int:
+            return self.resident_bytes + (self.new_bytes(entry) if entry is not None else 0) - self.entry_budget
+
+        def fits() -> bool:
+            return shortfall() <= 0 and not (self.max_tokens is not None and self.n_tokens + n_tokens > self.max_tokens)
+
+        fitted, victims = evict_until(fits, shortfall, lambda: list(self._lru.values()), self.remove, select_victims)
+        return fitted, [(victim, "budget") for victim in victims]
 
     @locked
     def remove(self, entry: CacheEntry) -> None:

@@ -19,7 +19,7 @@ from .policy import MemoryKind, PartialSizes, partial_cells
 if TYPE_CHECKING:
     from .hook_relay import HookRelay
     from .slot import Backend, Slot
-    from .stats import Counters
+    from .counters import Counters
     from .store import TieredStore
 
 log = logging.getLogger("ckpt_plugin")

@@ -1,15 +1,17 @@
-"""The manager's own behaviour as a plugin: checkpoint placement, admission and LRU victims, called last."""
+"""The manager's own behaviour as a plugin: checkpoint placement, admission and LRU victims (RAM and disk), called
+last."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from .eviction import lru_victims
 from .hooks import hookimpl
 from .policy import want_checkpoint
 
 if TYPE_CHECKING:
     from .cache import CacheEntry
-    from .manager import CheckpointManager
+    from .engine_view import EngineView
     from .slot import Slot
 
 DEFAULT_PLUGIN_NAME = "ckpt_plugin.default"
@@ -19,7 +21,7 @@ class DefaultPlugin:
     """The manager's own behaviour, registered as ``ckpt_plugin.default`` and called last."""
 
     @hookimpl(trylast=True)
-    def checkpoint_wanted(self, manager: CheckpointManager, slot: Slot, position: int, prompt_end: int) -> bool:
+    def checkpoint_wanted(self, manager: EngineView, slot: Slot, position: int, prompt_end: int) -> bool:
         controller = manager.slots[slot.id]
         return want_checkpoint(
             manager.kind, manager.rules, slot.checkpoints, position, prompt_end, controller.backend.pos_min(),
@@ -28,23 +30,15 @@ class DefaultPlugin:
 
     @hookimpl(trylast=True)
     def on_prompt_processed(
-        self, manager: CheckpointManager, slot: Slot, start: int, end: int, prompt_end: int
+        self, manager: EngineView, slot: Slot, start: int, end: int, prompt_end: int
     ) -> None:
         if manager.hooks.checkpoint_wanted(slot, position=end, prompt_end=prompt_end):
             manager.slots[slot.id].checkpoint()
 
     @hookimpl(trylast=True)
-    def on_cache_alloc(self, manager: CheckpointManager, namespace: str, n_tokens: int, n_bytes: int) -> bool:
+    def on_cache_alloc(self, manager: EngineView, namespace: str, n_tokens: int, n_bytes: int) -> bool:
         return True
 
     @hookimpl(trylast=True)
-    def select_cache_victims(
-        self, manager: CheckpointManager, entries: Sequence[CacheEntry], n_bytes: int
-    ) -> list[CacheEntry]:
-        victims, freed = [], 0
-        for entry in entries:
-            if freed >= n_bytes:
-                break
-            victims.append(entry)
-            freed += entry.nbytes
-        return victims
+    def select_cache_victims(self, entries: Sequence[CacheEntry], n_bytes: int) -> list[CacheEntry]:
+        return lru_victims(entries, n_bytes)

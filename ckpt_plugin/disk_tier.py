@@ -26,6 +26,7 @@ import numpy as np
 from .cache import CacheEntry, locked
 from .checkpoint import StateBufferPool
 from .errors import CheckpointError, CorruptFileError
+from .eviction import Chooser, evict_until
 from .persist import read_entry, read_header, read_recorded_namespace, remove_stale_temp_files, write_entry
 from .radix import RadixIndex
 
@@ -46,6 +47,16 @@ class DiskRecord:
     fingerprint: str
     size: int
     _node: Any = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """The file's size (what evicting it frees)."""
+        return self.size
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of the entry."""
+        return len(self.tokens)
 
 
 class DiskTier:
@@ -112,8 +123,13 @@ class DiskTier:
         return digest.hexdigest()[:40] + SUFFIX
 
     @locked
-    def store(self, entry: CacheEntry) -> bool:
-        """Write ``entry`` (unless a file of the same tokens exists); return whether it is on disk now."""
+    def store(self, entry: CacheEntry, select_victims: Chooser[DiskRecord] | None = None) -> bool:
+        """Write ``entry`` (unless a file of the same tokens exists); return whether it is on disk now.
+
+        :param select_victims: Picks the files to delete when the budget is exceeded, among the others, least
+            recently used first (:func:`~ckpt_plugin.eviction.evict_until`; the ``select_cache_victims`` hook with
+            ``tier="disk"``); a chooser that frees too little leaves the new entry out instead.
+        """
         path = self.directory / self.file_name(entry)
         known = self._records.get(path)
         if known is not None:
@@ -128,11 +144,18 @@ class DiskTier:
             return False
         tokens = np.array(entry.tokens, dtype=np.int32)
         tokens.flags.writeable = False
-        self._add(DiskRecord(path, tokens, entry.namespace, entry.fingerprint, size))
-        while self.resident_bytes > self.max_bytes and len(self._records) > 1:
-            oldest = next(iter(self._records.values()))
-            self._remove(oldest)
-        return True
+        record = DiskRecord(path, tokens, entry.namespace, entry.fingerprint, size)
+        self._add(record)
+        fitted, _ = evict_until(
+            lambda: self.resident_bytes <= self.max_bytes,
+            lambda: self.resident_bytes - self.max_bytes,
+            lambda: [r for r in self._records.values() if r is not record],
+            self._remove,
+            select_victims,
+        )
+        if not fitted:
+            self._remove(record)
+        return fitted
 
     @locked
     def lookup(self, namespace: str, fingerprint: str, prompt: np.ndarray) -> list[tuple[DiskRecord, int]]:

@@ -15,7 +15,8 @@ from .errors import PluginError
 if TYPE_CHECKING:
     from .cache import CacheEntry
     from .checkpoint import Checkpoint, ExtraState
-    from .manager import CheckpointManager, Slot
+    from .engine_view import EngineView
+    from .slot import Slot
 
 
 class ProjectPlugins(pluggy.PluginManager):
@@ -73,7 +74,7 @@ class ProjectPlugins(pluggy.PluginManager):
 class HookRelay:
     """The hooks of ``manager``'s plugin manager, called with ``manager`` bound."""
 
-    def __init__(self, plugins: pluggy.PluginManager, manager: CheckpointManager) -> None:
+    def __init__(self, plugins: pluggy.PluginManager, manager: EngineView) -> None:
         self._plugins = plugins
         self._hook = plugins.hook
         self._manager = manager
@@ -141,8 +142,8 @@ class HookRelay:
         """Whether the entry may enter (a ``None`` from every plugin admits it)."""
         return self.call(self._hook.on_cache_alloc, namespace=namespace, n_tokens=n_tokens, n_bytes=n_bytes) is not False
 
-    def select_cache_victims(self, entries: Sequence[CacheEntry], n_bytes: int) -> Sequence[CacheEntry]:
-        return self.call(self._hook.select_cache_victims, entries=entries, n_bytes=n_bytes) or []
+    def select_cache_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = "ram") -> Sequence[Any]:
+        return self.call(self._hook.select_cache_victims, entries=entries, n_bytes=n_bytes, tier=tier) or []
 
     def on_cache_evict(self, entry: CacheEntry, reason: str) -> None:
         self.call(self._hook.on_cache_evict, entry=entry, reason=reason)

@@ -7,8 +7,10 @@ event, veto a cache allocation, pick eviction victims or replace the checkpoint 
 
 Conventions:
 
-- ``manager`` is always the calling :class:`~ckpt_plugin.manager.CheckpointManager`.
-- ``slot`` is the :class:`~ckpt_plugin.manager.Slot` concerned; treat it as read-only.
+- ``manager`` is always the calling engine, a :class:`~ckpt_plugin.manager.CheckpointManager` (typed as the
+  :class:`~ckpt_plugin.engine_view.EngineView` protocol); ``manager.slots[slot.id]`` is the slot's
+  :class:`~ckpt_plugin.engine_view.SlotView` (its sequence, ``checkpoint()``, ``branch_point``).
+- ``slot`` is the :class:`~ckpt_plugin.slot.Slot` concerned; treat it as read-only.
 - Positions and token counts are in tokens from the start of the sequence.
 - An exception raised by an implementation is re-raised as :class:`~ckpt_plugin.errors.PluginError` naming the plugin
   and the hook; the manager only calls hooks at points where the slot is consistent, so a failing plugin never leaves
@@ -24,7 +26,8 @@ import pluggy
 if TYPE_CHECKING:
     from .cache import CacheEntry
     from .checkpoint import Checkpoint, ExtraState
-    from .manager import CheckpointManager, Slot
+    from .engine_view import EngineView
+    from .slot import Slot
 
 PROJECT_NAME = "ckpt_plugin"
 
@@ -38,7 +41,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def on_attach(manager: CheckpointManager) -> None:
+def on_attach(manager: EngineView) -> None:
     """Called once, when a manager has been attached to a host's model.
 
     Plugins use it to read the memory kind (``manager.kind``) or the settings, or to attach companion state (a
@@ -49,7 +52,7 @@ def on_attach(manager: CheckpointManager) -> None:
 
 
 @hookspec
-def on_detach(manager: CheckpointManager) -> None:
+def on_detach(manager: EngineView) -> None:
     """Called once, when a manager is detached from its model.
 
     After this call the model is back to its own unpatched methods and the manager holds no checkpoints.
@@ -65,7 +68,7 @@ def on_detach(manager: CheckpointManager) -> None:
 
 @hookspec
 def on_prompt_processed(
-    manager: CheckpointManager, slot: Slot, start: int, end: int, prompt_end: int
+    manager: EngineView, slot: Slot, start: int, end: int, prompt_end: int
 ) -> None:
     """The host has evaluated the prompt tokens ``[start, end)`` of ``slot``.
 
@@ -83,7 +86,7 @@ def on_prompt_processed(
 
 @hookspec(firstresult=True)
 def checkpoint_wanted(
-    manager: CheckpointManager, slot: Slot, position: int, prompt_end: int
+    manager: EngineView, slot: Slot, position: int, prompt_end: int
 ) -> bool | None:
     """Decide whether a checkpoint should be taken now, with ``position`` tokens in memory.
 
@@ -101,7 +104,7 @@ def checkpoint_wanted(
 
 @hookspec
 def on_checkpoint_capture(
-    manager: CheckpointManager, slot: Slot, n_tokens: int, partial: bool
+    manager: EngineView, slot: Slot, n_tokens: int, partial: bool
 ) -> ExtraState | None:
     """Contribute companion state to a checkpoint being created (all results are collected).
 
@@ -118,7 +121,7 @@ def on_checkpoint_capture(
 
 
 @hookspec
-def on_checkpoint_created(manager: CheckpointManager, slot: Slot, checkpoint: Checkpoint) -> None:
+def on_checkpoint_created(manager: EngineView, slot: Slot, checkpoint: Checkpoint) -> None:
     """A checkpoint was created and added to ``slot``.
 
     :param manager: The calling manager.
@@ -128,7 +131,7 @@ def on_checkpoint_created(manager: CheckpointManager, slot: Slot, checkpoint: Ch
 
 
 @hookspec
-def on_checkpoint_erased(manager: CheckpointManager, slot: Slot, checkpoint: Checkpoint, reason: str) -> None:
+def on_checkpoint_erased(manager: EngineView, slot: Slot, checkpoint: Checkpoint, reason: str) -> None:
     """A checkpoint was dropped from ``slot``.
 
     The checkpoint object stays valid for whoever else holds it (a cache entry, a saved state).
@@ -142,7 +145,7 @@ def on_checkpoint_erased(manager: CheckpointManager, slot: Slot, checkpoint: Che
 
 
 @hookspec
-def on_capture_failed(manager: CheckpointManager, slot: Slot, expected: int, written: int) -> None:
+def on_capture_failed(manager: EngineView, slot: Slot, expected: int, written: int) -> None:
     """A state capture wrote fewer bytes than llama.cpp announced; no checkpoint was made.
 
     The request is still served; the counter ``capture_failures`` is incremented.
@@ -161,7 +164,7 @@ def on_capture_failed(manager: CheckpointManager, slot: Slot, expected: int, wri
 
 @hookspec
 def on_slot_restore(
-    manager: CheckpointManager,
+    manager: EngineView,
     slot: Slot,
     checkpoint: Checkpoint | None,
     entry: CacheEntry | None,
@@ -182,7 +185,7 @@ def on_slot_restore(
 
 
 @hookspec
-def on_full_reprocess(manager: CheckpointManager, slot: Slot, n_common: int, reason: str) -> None:
+def on_full_reprocess(manager: EngineView, slot: Slot, n_common: int, reason: str) -> None:
     """No memory, checkpoint or cache entry could serve the prompt's common prefix: it is evaluated again.
 
     :param manager: The calling manager.
@@ -198,7 +201,7 @@ def on_full_reprocess(manager: CheckpointManager, slot: Slot, n_common: int, rea
 
 
 @hookspec(firstresult=True)
-def on_cache_alloc(manager: CheckpointManager, namespace: str, n_tokens: int, n_bytes: int) -> bool | None:
+def on_cache_alloc(manager: EngineView, namespace: str, n_tokens: int, n_bytes: int) -> bool | None:
     """The prompt cache is about to hold a new entry needing ``n_bytes`` more bytes.
 
     Stops at the first non-``None`` result. Return ``False`` to keep the entry out (a veto), ``True`` to admit it
@@ -215,23 +218,28 @@ def on_cache_alloc(manager: CheckpointManager, namespace: str, n_tokens: int, n_
 
 @hookspec(firstresult=True)
 def select_cache_victims(
-    manager: CheckpointManager, entries: Sequence[CacheEntry], n_bytes: int
+    manager: EngineView, entries: Sequence[CacheEntry], n_bytes: int, tier: str
 ) -> Sequence[CacheEntry] | None:
-    """Pick the entries to evict so that ``n_bytes`` more bytes fit the budget.
+    """Pick what to evict from a tier so that ``n_bytes`` more bytes fit its budget: RAM entries and disk-tier files
+    alike (every eviction goes through :func:`ckpt_plugin.eviction.evict_until`).
 
-    Stops at the first non-``None`` result. The default plugin answers with the least recently used entries. The
-    cache evicts the returned entries in order, then asks again if the budget still does not fit; an empty answer
-    means the new entry is not admitted.
+    Stops at the first non-``None`` result. The default plugin answers with the least recently used candidates
+    (:func:`ckpt_plugin.eviction.lru_victims`). The tier evicts the returned candidates in order, then asks again if
+    the budget still does not fit; an answer that frees nothing means the new entry is not admitted (RAM) or not
+    written (disk).
 
     :param manager: The calling manager.
-    :param entries: All evictable entries, least recently used first.
+    :param entries: Every evictable candidate, least recently used first: :class:`~ckpt_plugin.cache.CacheEntry`
+        objects for ``"ram"``, :class:`~ckpt_plugin.disk_tier.DiskRecord` objects for ``"disk"`` (both have
+        ``nbytes``, ``n_tokens``, ``namespace`` and ``tokens``).
     :param n_bytes: Bytes still missing.
-    :return: Entries to evict, or ``None`` to pass.
+    :param tier: ``"ram"`` or ``"disk"``.
+    :return: Candidates to evict, or ``None`` to pass.
     """
 
 
 @hookspec
-def on_cache_evict(manager: CheckpointManager, entry: CacheEntry, reason: str) -> None:
+def on_cache_evict(manager: EngineView, entry: CacheEntry, reason: str) -> None:
     """An entry left the prompt cache.
 
     :param manager: The calling manager.
@@ -241,7 +249,7 @@ def on_cache_evict(manager: CheckpointManager, entry: CacheEntry, reason: str) -
 
 
 @hookspec
-def on_cache_hit(manager: CheckpointManager, slot: Slot, entry: CacheEntry, n_tokens: int) -> None:
+def on_cache_hit(manager: EngineView, slot: Slot, entry: CacheEntry, n_tokens: int) -> None:
     """A prompt-cache entry was chosen to serve a prompt (before it is restored).
 
     :param manager: The calling manager.

@@ -31,7 +31,8 @@ from .shared_tier import SharedTier, shared_tier_for
 from .slot import Backend, Slot
 from .slot_control import SlotController
 from .slot_files import erase_slot, restore_slot, save_slot
-from .stats import Cleared, Counters, describe, manager_stats
+from .counters import Cleared, Counters
+from .stats import describe, manager_stats
 from .store import TieredStore
 
 __all__ = ["Backend", "CheckpointManager", "Counters", "DEFAULT_PLUGIN_NAME", "DefaultPlugin", "Slot"]
@@ -101,11 +102,6 @@ class CheckpointManager:
     # ---------------------------------------------------------------------------------------------------------------
     # hooks
 
-    def call_hook(self, name: str, **kwargs: Any) -> Any:
-        """Call hook ``name`` (a plugin's own hook too) with ``manager`` bound; see :class:`HookRelay`."""
-        kwargs.pop("manager", None)
-        return self.hooks.call(getattr(self.plugins.hook, name), **kwargs)
-
     @property
     def cache(self) -> PromptCache:
         """The RAM tier (the budget of every state byte)."""
@@ -121,8 +117,8 @@ class CheckpointManager:
     def allow_admission(self, entry: CacheEntry, n_bytes: int) -> bool:
         return self.hooks.on_cache_alloc(namespace=entry.namespace, n_tokens=entry.n_tokens, n_bytes=n_bytes)
 
-    def select_victims(self, entries: Sequence[CacheEntry], n_bytes: int) -> Sequence[CacheEntry]:
-        return self.hooks.select_cache_victims(entries, n_bytes)
+    def select_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = "ram") -> Sequence[Any]:
+        return self.hooks.select_cache_victims(entries, n_bytes, tier)
 
     def evicted(self, entry: CacheEntry, reason: str) -> None:
         if reason == "budget":
@@ -229,7 +225,7 @@ class CheckpointManager:
         Holds every slot's lock throughout (requests using the slots finish first), so that no request of the
         tenant can restore from a tier between two of the deletions.
 
-        :return: The entries deleted over every tier, an ``int`` (:class:`~ckpt_plugin.stats.Cleared`) whose
+        :return: The entries deleted over every tier, an ``int`` (:class:`~ckpt_plugin.counters.Cleared`) whose
             ``tiers`` has the count per tier and how many slots were emptied.
         """
         with contextlib.ExitStack() as held:

@@ -20,7 +20,7 @@ It is a thin composition of one-job pieces:
   (:class:`~ckpt_plugin.generation.Generation`);
 - :class:`~ckpt_plugin.usage.UsageRewriter`: ``usage.prompt_tokens_details.cached_tokens`` on their responses;
 - with a shared tier, once a completion's response is sent, the live slot is offered to it
-  (:func:`~ckpt_plugin.shared_tier.publish`), so the conversation's next turn can land on any replica.
+  (:func:`~ckpt_plugin.publishing.publish`), so the conversation's next turn can land on any replica.
 
 At ASGI lifespan shutdown, every manager's live slot is put into its cache (and disk tier, if configured), so a
 restarted server starts warm.
@@ -46,7 +46,7 @@ from .request import RequestScope, current_request
 from .request_checks import RequestRejected, check_content_type, parse_json_object
 from .route_guard import RouteGuard, default_guards, validation_message
 from .routes import CheckpointRoutes, Managers, unique_managers
-from .shared_tier import publish
+from .publishing import publish
 from .tenants import Tenants
 from .usage import UsageRewriter
 

@@ -44,7 +44,7 @@ from .manager import CheckpointManager
 from .metrics import CONTENT_TYPE, Metrics
 from .persist import safe_path
 from .request_checks import RequestRejected, check_content_type
-from .stats import Cleared
+from .counters import Cleared
 from .tenants import Caller, Tenants
 
 log = logging.getLogger("ckpt_plugin")

@@ -42,7 +42,8 @@ from .cache import CacheEntry
 from .checkpoint import Checkpoint, StateBuffer, as_state_buffer
 from .errors import CorruptFileError
 from .persist import decode_entry, encode_entry
-from .policy import checkpoints_to_erase, common_prefix
+from .eviction import checkpoints_to_erase
+from .policy import common_prefix
 
 BLOCK_TOKENS = 32
 """Tokens per index block: a stored prefix is found to the block, its exact length read from the manifest."""

@@ -40,7 +40,7 @@ import numpy as np
 
 from .cache import CacheEntry
 from .checkpoint import StateBuffer
-from .errors import CaptureError, CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError
 from .policy import Hit, MemoryKind, Reuse, best_reuse
 from .shared_format import (
     BLOCK_TOKENS,
@@ -57,7 +57,6 @@ from .write_behind import Job, WriteBehind
 
 if TYPE_CHECKING:
     from .config import CheckpointSettings
-    from .manager import CheckpointManager
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -709,27 +708,3 @@ def shared_tier_for(settings: CheckpointSettings) -> SharedTier | None:
             # The lifespan shutdown parks every slot into the queue: write it before the process goes.
             atexit.register(tier.close)
         return tier
-
-
-def publish(manager: CheckpointManager) -> bool:
-    """Offer ``manager``'s live slot to the shared tier, so that another replica can continue from it; call it after
-    a response (``CheckpointMiddleware`` does, after every completion). Returns whether an entry was queued.
-
-    The capture happens now, under the manager's lock (a few milliseconds; the next request's own capture reuses
-    it when the slot is parked); encoding and writing happen on the write-behind thread.
-    """
-    shared = manager.store.shared
-    if shared is None or not shared.available:
-        return False
-    with manager.lock:
-        manager.reconcile()
-        slot = manager.slot
-        if slot.n_tokens < max(manager.settings.cache_min_tokens, shared.block_tokens):
-            return False
-        if not shared.publish_marker(manager, (slot.version, slot.namespace)):
-            return False
-        try:
-            entry = manager.save()
-        except CaptureError:
-            return False
-    return manager.store.publish(entry)

@@ -26,10 +26,10 @@ from .errors import (
 from .persist import read_entry, write_entry
 
 if TYPE_CHECKING:
-    from .slot_control import SlotController
+    from .engine_view import SlotView
 
 
-def save_slot(controller: SlotController, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:
+def save_slot(controller: SlotView, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:
     """Write the slot (tokens, full state, checkpoints, draft and speculative state) to ``path`` atomically.
 
     :param namespace: The caller's namespace (the manager's own by default); the file records it.
@@ -47,7 +47,7 @@ def save_slot(controller: SlotController, path: str | os.PathLike[str], namespac
     return {"n_saved": entry.n_tokens, "n_written": written, "save_ms": (time.perf_counter() - started) * 1e3}
 
 
-def restore_slot(controller: SlotController, path: str | os.PathLike[str],
+def restore_slot(controller: SlotView, path: str | os.PathLike[str],
                  namespace: str | None = None) -> dict[str, Any]:
     """Restore the slot from a slot file; a file that is corrupt, made for another model or context, or saved by
     another namespace is refused and the slot stays exactly as it was.
@@ -81,7 +81,7 @@ def restore_slot(controller: SlotController, path: str | os.PathLike[str],
     return {"n_restored": entry.n_tokens, "n_read": n_read, "restore_ms": (time.perf_counter() - started) * 1e3}
 
 
-def erase_slot(controller: SlotController, namespace: str | None = None) -> dict[str, Any]:
+def erase_slot(controller: SlotView, namespace: str | None = None) -> dict[str, Any]:
     """Empty the slot (memory and checkpoints) if it holds ``namespace``'s state; the prompt cache keeps its entries.
     Another namespace's live state is left alone (``n_erased`` 0)."""
     namespace = namespace or controller.settings.namespace

@@ -19,13 +19,14 @@ from .cache import CacheEntry
 from .checkpoint import Checkpoint
 from .config import CheckpointSettings
 from .errors import CaptureError, StateRestoreError
-from .policy import CheckpointRules, MemoryKind, checkpoints_to_erase, slot_checkpoint_limit
+from .eviction import checkpoints_to_erase, slot_checkpoint_limit
+from .policy import CheckpointRules, MemoryKind
 from .slot import Backend, Slot
 
 if TYPE_CHECKING:
     from .captures import Captures
     from .hook_relay import HookRelay
-    from .stats import Counters
+    from .counters import Counters
     from .store import TieredStore
 
 log = logging.getLogger("ckpt_plugin")

@@ -1,48 +1,21 @@
-"""A manager's counters and the read-only views of its state: ``stats()`` and ``describe()``; what a forget cleared.
+"""Read-only views of an engine's state: ``stats()`` and ``describe()``.
 
-Both are safe to call from any thread while the model runs: they read snapshots (lists copied) of the slot and the
+Both are safe to call from any thread while the model runs: they read snapshots (lists copied) of the slots and the
 cache, never the context.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .cache import CacheEntry
     from .checkpoint import Checkpoint
-    from .manager import CheckpointManager
+    from .engine_view import EngineView
 
 
-@dataclass
-class Counters:
-    """Monotonic counters of a manager (see :func:`manager_stats`)."""
-
-    prompts: int = 0
-    tokens_evaluated: int = 0
-    tokens_reused: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    cache_saves: int = 0
-    cache_evictions: int = 0
-    checkpoints_created: int = 0
-    checkpoints_restored: int = 0
-    checkpoints_erased: int = 0
-    forced_reprocess: int = 0
-    tokens_reprocessed: int = 0
-    capture_failures: int = 0
-    state_size_queries: int = 0
-    bytes_captured: int = 0
-    bytes_restored: int = 0
-    restore_seconds: float = 0.0
-    disk_hits: int = 0
-    restore_failures: int = 0
-    draft_dropped: int = 0
-    corrupt_slot_files: int = 0
-
-
-def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
+def manager_stats(manager: EngineView) -> dict[str, Any]:
     """Counters plus memory figures.
 
     ``resident_bytes`` counts each state buffer held by a slot or the cache once; ``referenced_bytes`` counts it
@@ -90,7 +63,7 @@ def manager_stats(manager: CheckpointManager) -> dict[str, Any]:
     return out
 
 
-def describe(manager: CheckpointManager, namespace: str | None = None) -> dict[str, Any]:
+def describe(manager: EngineView, namespace: str | None = None) -> dict[str, Any]:
     """A JSON-able view of the slots, their checkpoints and the cache entries; of ``namespace`` only, if given (a
     slot is shown only while it holds that namespace's state)."""
 
@@ -114,42 +87,3 @@ def describe(manager: CheckpointManager, namespace: str | None = None) -> dict[s
     }
 
 
-ENTRY_TIERS = ("ram", "disk", "shared")
-"""The tiers whose counts of forgotten entries :class:`Cleared` adds up (the slot is not an entry)."""
-
-
-class Cleared(int):
-    """What :meth:`CheckpointManager.clear_cache` forgot: an ``int``, the entries deleted over every tier (an entry
-    held in RAM and on disk counts once in each), with the counts per tier in :attr:`tiers`.
-
-    :ivar tiers: ``{"ram": n, "disk": n, "shared": n, "slot": 0 or 1}``: entries of the RAM cache, entry files of the
-        disk tier, manifests of the shared tier (``None``: the server could not be cleared, see the log), and
-        whether the live slot held that state and was emptied. A tier the manager does not have is left out.
-    """
-
-    tiers: dict[str, int | None]
-
-    def __new__(cls, tiers: Mapping[str, int | None]) -> Cleared:
-        made = super().__new__(cls, sum(tiers.get(name) or 0 for name in ENTRY_TIERS))
-        made.tiers = dict(tiers)
-        return made
-
-    @classmethod
-    def combine(cls, parts: Iterable[int]) -> Cleared:
-        """The sum of several managers' results, tier by tier (``None`` wins: one server not cleared is news).
-        Plain ``int`` parts count as RAM entries."""
-        tiers: dict[str, int | None] = {}
-        for part in parts:
-            for name, count in getattr(part, "tiers", {"ram": int(part)}).items():
-                if count is None or (name in tiers and tiers[name] is None):
-                    tiers[name] = None
-                else:
-                    tiers[name] = (tiers.get(name) or 0) + count
-        return cls(tiers)
-
-    def as_json(self) -> dict[str, Any]:
-        """The body of ``DELETE /checkpoints``: ``{"cleared": n, "tiers": {...}}``."""
-        return {"cleared": int(self), "tiers": dict(self.tiers)}
-
-    def __repr__(self) -> str:
-        return f"Cleared({int(self)}, tiers={self.tiers})"

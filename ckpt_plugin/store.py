@@ -8,7 +8,7 @@ object over them, with its own events.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -27,8 +27,9 @@ class StoreEvents(Protocol):
     def allow_admission(self, entry: CacheEntry, n_bytes: int) -> bool:
         """Whether ``entry`` may enter RAM, adding ``n_bytes`` to its entries (``on_cache_alloc``)."""
 
-    def select_victims(self, entries: Sequence[CacheEntry], n_bytes: int) -> Sequence[CacheEntry]:
-        """Victims among LRU-ordered ``entries`` for a shortfall of ``n_bytes`` (``select_cache_victims``)."""
+    def select_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = "ram") -> Sequence[Any]:
+        """Victims among LRU-ordered ``entries`` of ``tier`` for a shortfall of ``n_bytes``
+        (``select_cache_victims``)."""
 
     def evicted(self, entry: CacheEntry, reason: str) -> None:
         """``entry`` left RAM: ``"budget"``, ``"replaced"`` or ``"cleared"`` (``on_cache_evict``)."""
@@ -84,7 +85,7 @@ class TieredStore:
         if admitted:
             self.events.admitted(entry)
         if self.disk is not None and write_through:
-            admitted = self.disk.store(entry) or admitted
+            admitted = self.disk.store(entry, self._disk_victims) or admitted
         if write_through:
             self.publish(entry)
         return admitted
@@ -143,6 +144,9 @@ class TieredStore:
         if self.shared is not None:
             tiers["shared"] = self.shared.forget(namespace, fingerprint)
         return tiers
+
+    def _disk_victims(self, records: Sequence[DiskRecord], n_bytes: int) -> Sequence[DiskRecord]:
+        return self.events.select_victims(records, n_bytes, "disk")
 
     def _report(self, removed: list[tuple[CacheEntry, str]]) -> None:
         for entry, reason in removed:

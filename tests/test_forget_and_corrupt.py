@@ -28,7 +28,7 @@ from ckpt_plugin.disk_tier import DiskTier
 from ckpt_plugin.persist import read_header
 from ckpt_plugin.shared_format import Partition
 from ckpt_plugin.shared_tier import SharedTier
-from ckpt_plugin.stats import Cleared
+from ckpt_plugin.counters import Cleared
 
 from redis_servers import RedisServer, run_redis
 from servers import Server, model_args, run_server

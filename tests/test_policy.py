@@ -9,22 +9,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckpt_plugin.checkpoint import Checkpoint, freeze
+from ckpt_plugin.eviction import SLOT_BUDGET_SHARE, checkpoints_to_erase, slot_checkpoint_limit
 from ckpt_plugin.policy import (
-    SLOT_BUDGET_SHARE,
     CheckpointRules,
     Hit,
     LiveMemory,
     MemoryKind,
     best_reuse,
     branch_point,
-    checkpoints_to_erase,
     can_truncate,
     checkpoint_serves,
     common_prefix,
     pause_points,
     plan_prompt,
     prompt_end_checkpoint,
-    slot_checkpoint_limit,
     want_checkpoint,
 )
 

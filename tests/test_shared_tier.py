@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from ckpt_plugin.manager import CheckpointManager
-from ckpt_plugin.shared_tier import SharedTier, publish
+from ckpt_plugin.publishing import publish
+from ckpt_plugin.shared_tier import SharedTier
 from ckpt_plugin.testing import fake_manager, run_prompt
 from redis_servers import RedisServer, run_redis
 

@@ -1,0 +1,74 @@
+"""An engine's counters, and what a forget cleared: plain data, shared by the engine and its services."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+
+@dataclass
+class Counters:
+    """Monotonic counters of a manager (see :func:`manager_stats`)."""
+
+    prompts: int = 0
+    tokens_evaluated: int = 0
+    tokens_reused: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_saves: int = 0
+    cache_evictions: int = 0
+    checkpoints_created: int = 0
+    checkpoints_restored: int = 0
+    checkpoints_erased: int = 0
+    forced_reprocess: int = 0
+    tokens_reprocessed: int = 0
+    capture_failures: int = 0
+    state_size_queries: int = 0
+    bytes_captured: int = 0
+    bytes_restored: int = 0
+    restore_seconds: float = 0.0
+    disk_hits: int = 0
+    restore_failures: int = 0
+    draft_dropped: int = 0
+    corrupt_slot_files: int = 0
+
+
+ENTRY_TIERS = ("ram", "disk", "shared")
+"""The tiers whose counts of forgotten entries :class:`Cleared` adds up (the slot is not an entry)."""
+
+
+class Cleared(int):
+    """What :meth:`CheckpointManager.clear_cache` forgot: an ``int``, the entries deleted over every tier (an entry
+    held in RAM and on disk counts once in each), with the counts per tier in :attr:`tiers`.
+
+    :ivar tiers: ``{"ram": n, "disk": n, "shared": n, "slot": 0 or 1}``: entries of the RAM cache, entry files of the
+        disk tier, manifests of the shared tier (``None``: the server could not be cleared, see the log), and
+        whether the live slot held that state and was emptied. A tier the manager does not have is left out.
+    """
+
+    tiers: dict[str, int | None]
+
+    def __new__(cls, tiers: Mapping[str, int | None]) -> Cleared:
+        made = super().__new__(cls, sum(tiers.get(name) or 0 for name in ENTRY_TIERS))
+        made.tiers = dict(tiers)
+        return made
+
+    @classmethod
+    def combine(cls, parts: Iterable[int]) -> Cleared:
+        """The sum of several managers' results, tier by tier (``None`` wins: one server not cleared is news).
+        Plain ``int`` parts count as RAM entries."""
+        tiers: dict[str, int | None] = {}
+        for part in parts:
+            for name, count in getattr(part, "tiers", {"ram": int(part)}).items():
+                if count is None or (name in tiers and tiers[name] is None):
+                    tiers[name] = None
+                else:
+                    tiers[name] = (tiers.get(name) or 0) + count
+        return cls(tiers)
+
+    def as_json(self) -> dict[str, Any]:
+        """The body of ``DELETE /checkpoints``: ``{"cleared": n, "tiers": {...}}``."""
+        return {"cleared": int(self), "tiers": dict(self.tiers)}
+
+    def __repr__(self) -> str:
+        return f"Cleared({int(self)}, tiers={self.tiers})"
