@@ -34,7 +34,7 @@ from llama_cpp.llama_cache import LlamaRAMCache
 
 from ckpt_plugin.cache import CacheEntry, PromptCache
 from ckpt_plugin.checkpoint import Checkpoint, freeze
-from ckpt_plugin.llama_backend import HostPromptCache
+from ckpt_plugin.hosts.llama_cpp.host_cache import HostPromptCache
 from ckpt_plugin.manager import CheckpointManager
 from ckpt_plugin.policy import common_prefix
 from ckpt_plugin.testing import FAKE_KINDS, FakeBackend

@@ -48,7 +48,7 @@ from llama_cpp import Llama
 
 import ckpt_plugin
 from ckpt_plugin.checkpoint import StateBufferPool
-from ckpt_plugin.llama_backend import _writable_start
+from ckpt_plugin.hosts.llama_cpp.context import _writable_start
 from ckpt_plugin.spare_pages import SPARE_MAPPER
 
 PROMPT_TOKENS = 1500

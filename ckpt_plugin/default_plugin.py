@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .eviction import lru_victims
 from .hooks import hookimpl
-from .policy import want_checkpoint
+from .schedule import want_checkpoint
 
 if TYPE_CHECKING:
     from .cache import CacheEntry

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .default_model import default_model_path
-from .llama_backend import attach, count_evaluated_tokens, open_llama
+from .hosts.llama_cpp.attach import attach, count_evaluated_tokens, open_llama
 
 
 def requests(n_tokens: int, seed: int = 0) -> list[tuple[str, list[int]]]:

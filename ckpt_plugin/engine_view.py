@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from .config import CheckpointSettings
     from .counters import Counters
     from .disk_tier import DiskTier
-    from .policy import CheckpointRules, MemoryKind
+    from .policy import MemoryKind
+    from .schedule import CheckpointRules
     from .slot import Backend, Slot
     from .store import TieredStore
 

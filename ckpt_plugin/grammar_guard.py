@@ -60,7 +60,7 @@ def _read(stream: IO[bytes]) -> Any:
 def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
     """The child's loop: compile what the parent sends, answer with the problem (or ``None``); or a vocabulary size
     when no grammar is sent."""
-    from .llama_backend import grammar_problem_in_worker, vocab_size_in_worker
+    from .hosts.llama_cpp.context import grammar_problem_in_worker, vocab_size_in_worker
 
     while True:
         try:

@@ -91,7 +91,7 @@ def checkpoint_wanted(
     """Decide whether a checkpoint should be taken now, with ``position`` tokens in memory.
 
     Stops at the first non-``None`` result. The default plugin answers last with the rules of
-    :func:`ckpt_plugin.policy.want_checkpoint` (the step grid, the closing checkpoint, and the prompt's branch point,
+    :func:`ckpt_plugin.schedule.want_checkpoint` (the step grid, the closing checkpoint, and the prompt's branch point,
     ``manager.slots[slot.id].branch_point``); return ``True`` or ``False`` to replace them.
 
     :param manager: The calling manager.

@@ -26,7 +26,8 @@ from .default_plugin import DEFAULT_PLUGIN_NAME, DefaultPlugin
 from .disk_tier import DiskTier
 from .hook_relay import HookRelay, ProjectPlugins
 from .hooks import PROJECT_NAME
-from .policy import CheckpointRules, Plan, default_min_step
+from .policy import Plan
+from .schedule import CheckpointRules, default_min_step
 from .shared_tier import SharedTier, shared_tier_for
 from .slot import Backend, Slot
 from .slot_control import SlotController

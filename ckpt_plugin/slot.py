@@ -11,7 +11,7 @@ from .policy import MemoryKind, common_prefix
 
 
 class Backend(Protocol):
-    """What the manager needs from a model context (implemented by :mod:`ckpt_plugin.llama_backend`)."""
+    """What the manager needs from a model context (implemented by :mod:`ckpt_plugin.hosts.llama_cpp`)."""
 
     kind: MemoryKind
     fingerprint: str

@@ -21,7 +21,8 @@ import numpy as np
 
 from .cache import CacheEntry
 from .errors import StateRestoreError
-from .policy import LiveMemory, Plan, branch_point, pause_points, plan_prompt
+from .policy import LiveMemory, Plan, plan_prompt
+from .schedule import branch_point, pause_points
 from .request import current_request
 from .slot_memory import SlotMemory
 

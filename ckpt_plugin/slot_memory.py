@@ -20,7 +20,8 @@ from .checkpoint import Checkpoint
 from .config import CheckpointSettings
 from .errors import CaptureError, StateRestoreError
 from .eviction import checkpoints_to_erase, slot_checkpoint_limit
-from .policy import CheckpointRules, MemoryKind
+from .policy import MemoryKind
+from .schedule import CheckpointRules
 from .slot import Backend, Slot
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class SlotMemory:
     :param captures: The engine's state copies.
     :ivar lock: Held by the host-facing layer while a request uses the slot, and by the slot file operations.
     :ivar branch_point: Where the prompt last prepared leaves the longest prefix it shares with a stored state, when
-        a restore could not serve all of it: a checkpoint is taken there (``policy.branch_point``; 0: none).
+        a restore could not serve all of it: a checkpoint is taken there (``schedule.branch_point``; 0: none).
     """
 
     def __init__(self, slot_id: int, backend: Backend, settings: CheckpointSettings, rules: CheckpointRules,

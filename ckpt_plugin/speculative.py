@@ -29,7 +29,8 @@ from .cache import CacheEntry
 from .checkpoint import Checkpoint, ExtraState, StateBufferPool, allocate_state_buffer, freeze
 from .errors import IncompatibleStateError, UnsupportedHostError
 from .hooks import hookimpl
-from .llama_backend import LlamaDraftModel, attach, last_logits, vocab_digest
+from .hosts.llama_cpp.attach import attach
+from .hosts.llama_cpp.context import last_logits, LlamaDraftModel, vocab_digest
 from .manager import CheckpointManager
 
 log = logging.getLogger("ckpt_plugin")

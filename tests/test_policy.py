@@ -11,20 +11,16 @@ from hypothesis import strategies as st
 from ckpt_plugin.checkpoint import Checkpoint, freeze
 from ckpt_plugin.eviction import SLOT_BUDGET_SHARE, checkpoints_to_erase, slot_checkpoint_limit
 from ckpt_plugin.policy import (
-    CheckpointRules,
     Hit,
     LiveMemory,
     MemoryKind,
     best_reuse,
-    branch_point,
     can_truncate,
     checkpoint_serves,
     common_prefix,
-    pause_points,
     plan_prompt,
-    prompt_end_checkpoint,
-    want_checkpoint,
 )
+from ckpt_plugin.schedule import CheckpointRules, branch_point, pause_points, prompt_end_checkpoint, want_checkpoint
 
 
 def checkpoint(n_tokens: int) -> Checkpoint:

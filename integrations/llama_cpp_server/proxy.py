@@ -12,7 +12,7 @@ from llama_cpp.server.settings import ModelSettings
 
 from ckpt_plugin import host_compat
 from ckpt_plugin import CheckpointManager, CheckpointSettings, PromptCache, attach
-from ckpt_plugin.llama_backend import open_llama
+from ckpt_plugin.hosts.llama_cpp.attach import open_llama
 from ckpt_plugin.speculative import enable_speculative
 from ckpt_plugin.config import ServeSettings
 from ckpt_plugin.disk_tier import DiskTier

@@ -17,7 +17,7 @@ import numpy as np
 from llama_cpp.llama import Llama
 
 from ...errors import StateRestoreError
-from ...llama_backend import _flags, _u8_p, _writable_start, fingerprint_of, memory_kind
+from .context import _flags, _u8_p, _writable_start, fingerprint_of, memory_kind
 from ...policy import MemoryKind
 
 

@@ -1,0 +1,372 @@
+"""Attaching an engine to one ``llama_cpp.Llama``: the patched methods, attach and detach.
+
+:func:`attach` patches five methods on one ``llama_cpp.Llama`` instance (never the class):
+
+- ``generate``: before the host's own prefix matching runs, the manager restores the best state for the prompt
+  (live memory, checkpoint or prompt-cache entry) and sets the host's ``n_tokens`` to what the memory holds, so the
+  host's ``kv_cache_seq_rm`` is a no-op and its destructive fallbacks (clearing a recurrent memory, truncating a
+  sliding window that lost the prefix) never run;
+- ``eval``: evaluates through the manager, which pauses where checkpoints are taken;
+- ``save_state`` / ``load_state``: return and accept a :class:`SharedLlamaState` that references an immutable
+  full-state capture and the slot's checkpoints instead of copying the state and the logits array;
+- ``set_cache``: installs :class:`HostPromptCache`, a ``BaseLlamaCache`` view of the manager's prefix-indexed cache;
+- ``_create_completion``: notes whether the request reads logprobs (and of the prompt, with ``echo``), so that
+  evaluation computes and keeps only the logits someone reads (:mod:`ckpt_plugin.logits`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterator, Sequence
+
+import llama_cpp
+import numpy as np
+from llama_cpp.llama import Llama, LlamaState
+from llama_cpp.llama_cache import BaseLlamaCache
+
+from ... import host_compat as host
+from ...cache import PromptCache
+from ...config import CheckpointSettings
+from ...disk_tier import DiskTier
+from ...errors import UnsupportedHostError
+from ...host_logprobs import CompletionTrace, LogprobsRequest, stop_sequences
+from ...logits import generation_needs
+from ...manager import CheckpointManager
+from ...request import current_request
+from .backend import LlamaBackend
+from .context import _version_tuple
+from .host_cache import HostPromptCache, SharedLlamaState, _tiers_for_host_cache
+
+TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
+"""llama-cpp-python versions attach accepts: from the first (inclusive) to the second (exclusive)."""
+
+_PATCHED = ("eval", "generate", "save_state", "load_state", "set_cache", host.COMPLETION_METHOD)
+_MANAGER_ATTR = "_ckpt_plugin_attachment"
+
+
+class _Generation:
+    """One call of the host's ``generate``: the prompt boundary its evaluations need.
+
+    Only the generation itself writes to this object, so an abandoned generation that the garbage collector closes
+    later, from whatever thread, changes nothing anybody else reads.
+    """
+
+    __slots__ = ("prompt_end", "finished")
+
+    def __init__(self) -> None:
+        self.prompt_end: int | None = None
+        self.finished = False
+
+
+class _Attachment:
+    """The patches installed on one ``Llama`` and what they replaced.
+
+    Ownership (``docs/design.md``, "Who owns the slot"): the manager's lock is held only inside the synchronous
+    calls below (prepare, one ``eval``, ``save_state``, ``load_state``), never across a ``yield`` to the host. The
+    latest generation owns the slot; one the host stopped iterating (a dropped client, an interrupted stream) owns
+    nothing once a newer one starts, and the memory itself tells the next request what is in it.
+    """
+
+    def __init__(self, llama: Llama, manager: CheckpointManager, backend: LlamaBackend) -> None:
+        self.llama = llama
+        self.manager = manager
+        self.backend = backend
+        self.saved = {name: llama.__dict__[name] for name in _PATCHED if name in llama.__dict__}
+        self.saved_cache = llama.cache
+        self.current: _Generation | None = None
+        # (logprobs, echo) of the completion whose generation starts next.
+        self.pending_reads: tuple[bool, bool] | None = None
+        self._generate = type(llama).generate.__get__(llama)
+        self._load_state = type(llama).load_state.__get__(llama)
+        self._generate_signature = inspect.signature(type(llama).generate)
+        completion = getattr(type(llama), host.COMPLETION_METHOD)
+        self._create_completion = completion.__get__(llama)
+        self._completion_signature = inspect.signature(completion)
+
+    @property
+    def prompt_end(self) -> int | None:
+        """Prompt length of the generation that owns the slot, ``None`` outside a generation."""
+        current = self.current
+        return current.prompt_end if current is not None and not current.finished else None
+
+    def install(self) -> None:
+        llama = self.llama
+        llama.eval = self.eval
+        llama.generate = self.generate
+        llama.save_state = self.save_state
+        llama.load_state = self.load_state
+        llama.set_cache = self.set_cache
+        setattr(llama, host.COMPLETION_METHOD, self.create_completion)
+        self.backend.take_over_scores()
+        if llama.cache is not None:
+            self.set_cache(llama.cache)
+        setattr(llama, _MANAGER_ATTR, self)
+
+    def uninstall(self) -> None:
+        llama = self.llama
+        for name in _PATCHED:
+            llama.__dict__.pop(name, None)
+        llama.__dict__.update(self.saved)
+        llama.cache = self.saved_cache
+        llama.__dict__.pop(_MANAGER_ATTR, None)
+        self.backend.release()
+
+    def _sync_host(self, n_keep: int, tokens: np.ndarray) -> None:
+        host.set_evaluated_prefix(self.llama, tokens, n_keep)
+
+    # -- patched methods --------------------------------------------------------------------------------------------
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        with self.manager.lock:
+            self._eval(tokens)
+
+    def _eval(self, tokens: Sequence[int]) -> None:
+        llama, manager = self.llama, self.manager
+        new = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        manager.reconcile()
+        n_host = llama.n_tokens
+        slot = manager.slot
+        if n_host != slot.n_tokens or (len(new) > 1 and not np.array_equal(llama.input_ids[:n_host], slot.tokens)):
+            wanted = np.concatenate((llama.input_ids[:n_host].astype(np.int32), new))
+            n_keep = manager.prepare(wanted)
+            self._sync_host(n_keep, wanted)
+            new = wanted[n_keep:]
+        prompt_end = self.prompt_end
+        if prompt_end is None:
+            prompt_end = llama.n_tokens + len(new)
+        manager.process(new, prompt_end)
+
+    def create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """The host's ``_create_completion``, noting the logits the request reads; a request for logprobs runs the
+        host without them and gets them from :mod:`ckpt_plugin.host_logprobs` (the same values, vectorized)."""
+        bound = self._completion_signature.bind(self.llama, *args, **kwargs)
+        logprobs = bound.arguments.get("logprobs")
+        reads = (logprobs is not None, bool(bound.arguments.get("echo", False)))
+        if logprobs is None or not host.wants_all_logits(self.llama):
+            # Without logits_all the host refuses logprobs itself, after its other checks: left to it.
+            return self._completion_with_reads(self._create_completion(*args, **kwargs), reads)
+        defaults = self._completion_signature.parameters
+
+        def argument(name: str) -> Any:
+            return bound.arguments.get(name, defaults[name].default)
+
+        request = LogprobsRequest(prompt=argument("prompt"), logprobs=logprobs, echo=bool(argument("echo")),
+                                  stream=bool(argument("stream")), stop=stop_sequences(argument("stop")))
+        bound.arguments["logprobs"] = None
+        return self._completion_with_reads(self._create_completion(*bound.args[1:], **bound.kwargs), reads, request)
+
+    def _completion_with_reads(
+        self, completion: Iterator[Any], reads: tuple[bool, bool], logprobs: LogprobsRequest | None = None
+    ) -> Iterator[Any]:
+        """Iterate the host's ``completion`` for a request reading ``reads`` (``(logprobs, echo)``); with
+        ``logprobs``, the host runs without them and they are filled in (:meth:`_completion_with_host_logprobs`)."""
+        # The host's body runs on the first next(): it calls generate() within this very call, which takes the reads
+        # (so the rows are kept even though the host itself is not asked for logprobs).
+        self.pending_reads = reads
+        if logprobs is None:
+            yield from completion
+        else:
+            yield from self._completion_with_host_logprobs(completion, logprobs)
+
+    def _completion_with_host_logprobs(self, completion: Iterator[Any], request: LogprobsRequest) -> Iterator[Any]:
+        """The host's response to a logprobs request, with the logprobs it would have computed.
+
+        The host's ``completion`` runs with ``logprobs=None``. Its ``generate`` call is watched (a wrapper installed
+        on the instance for its first ``next()`` only, the call in which the host calls ``generate``) by a
+        :class:`~ckpt_plugin.host_logprobs.CompletionTrace`, which learns the prompt and completion tokens.
+        Non-streamed: the single response gets ``logprobs`` computed from the rows after the generation, where the
+        host computes them. Streamed: without logprobs the host groups tokens into chunks differently, so its chunks
+        are dropped and the trace's replay of the logprobs loop (one chunk per token, computed as each token arrived)
+        is yielded in their place, then its tail, then the host's final chunk.
+        """
+        llama = self.llama
+        vocab = llama_cpp.llama_model_get_vocab(llama.model)
+        trace = CompletionTrace(
+            detokenize=llama.detokenize,
+            log_softmax=Llama.logits_to_logprobs,
+            scores=lambda: llama.scores[: llama.n_tokens, :],
+            is_eog=lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token)),
+            bos_token_id=llama.token_bos(),
+            request=request,
+        )
+        end = object()
+        template: dict[str, Any] | None = None
+        try:
+            generate = llama.generate
+
+            def watched_generate(tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
+                # No reference to the watcher is kept here: the host's loop owns it, and dropping it (a break)
+                # closes the generation at once, as without the watcher.
+                return trace.watch(tokens, generate(tokens, *args, **kwargs))
+
+            llama.generate = watched_generate
+            try:
+                chunk = next(completion, end)
+            finally:
+                if llama.__dict__.get("generate") is watched_generate:
+                    llama.generate = generate
+            if not request.stream:
+                if chunk is not end:
+                    chunk["choices"][0]["logprobs"] = trace.logprobs(llama.scores[: llama.n_tokens, :])
+                    yield chunk
+                yield from completion
+                return
+            while chunk is not end:
+                template = chunk
+                if trace.error is not None:
+                    yield from trace.take(chunk)
+                    raise trace.error
+                if chunk["choices"][0]["finish_reason"] is None:
+                    yield from trace.take(chunk)  # the host's own chunk stands for tokens the trace yields itself
+                else:
+                    trace.tail()
+                    yield from trace.take(chunk)
+                    yield chunk
+                chunk = next(completion, end)
+        except Exception:
+            # What the host had yielded before failing (it yields as it goes) still reaches the client.
+            if template is not None and trace.pending:
+                yield from trace.take(template)
+            raise
+        finally:
+            close = getattr(completion, "close", None)
+            if close is not None:
+                close()
+
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
+        bound = self._generate_signature.bind(self.llama, tokens, *args, **kwargs)
+        reset = bound.arguments.get("reset", True)
+        stopping = bound.arguments.get("stopping_criteria") is not None
+        return self._generate_with_prepare(list(tokens), reset, stopping, args, kwargs)
+
+    def _generate_with_prepare(
+        self, tokens: list[int], reset: bool, stopping: bool, args: tuple, kwargs: dict
+    ) -> Iterator[int]:
+        generation = _Generation()
+        reads, self.pending_reads = self.pending_reads, None
+        logprobs, echo = reads or (False, False)
+        with self.manager.lock:
+            # The newest generation owns the slot: an older one the host abandoned mid-stream is simply superseded.
+            self.current = generation
+            prompt = np.asarray(tokens, dtype=np.int32)
+            generation.prompt_end = len(tokens) if reset else self.llama.n_tokens + len(tokens)
+            needs = generation_needs(generation.prompt_end, logprobs=logprobs, echo=echo, stopping_criteria=stopping,
+                                     draft=self.llama.draft_model is not None)
+            limit = self.backend.begin_generation(needs, prompt if reset else prompt[:0])
+            if reset and tokens:
+                n_keep = self.manager.prepare(prompt, max_keep=limit)
+                self._sync_host(n_keep, prompt)
+        request = current_request.get()
+        try:
+            if request is None:
+                yield from self._generate(tokens, *args, **kwargs)
+                return
+            # The server's limits and its client's disconnect end the generation at the next token: the host then
+            # finishes the response as if max_tokens was reached, and the model is free for the next request.
+            for generated, token in enumerate(self._generate(tokens, *args, **kwargs)):
+                if request.should_stop(generated):
+                    return
+                yield token
+        finally:
+            generation.finished = True
+            if self.current is generation:
+                self.backend.end_generation()
+
+    def save_state(self) -> SharedLlamaState:
+        with self.manager.lock:
+            self.manager.reconcile()
+            return SharedLlamaState(self.manager.save(), host.seed(self.llama))
+
+    def load_state(self, state: LlamaState) -> None:
+        with self.manager.lock:
+            if isinstance(state, SharedLlamaState):
+                n_keep = self.manager.load(state.entry)
+                self._sync_host(n_keep, state.entry.tokens)
+                host.set_seed(self.llama, state.seed)
+                return
+            self.backend.load_host_state(self._load_state, state)
+            self.manager.adopt_memory(np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32))
+
+    def set_cache(self, cache: BaseLlamaCache | None) -> None:
+        if cache is None or isinstance(cache, HostPromptCache):
+            self.llama.cache = cache
+            return
+        with self.manager.lock:
+            self.manager.use_shared_tiers(*_tiers_for_host_cache(cache, self.manager.settings))
+        self.llama.cache = HostPromptCache(self.manager, self.llama)
+
+
+def open_llama(model_path: str, **kwargs: Any) -> Llama:
+    """Create a ``llama_cpp.Llama`` (``verbose=False`` unless given), for hosts built on this package."""
+    kwargs.setdefault("verbose", False)
+    return Llama(model_path=model_path, **kwargs)
+
+
+def count_evaluated_tokens(llama: Llama) -> Callable[[], int]:
+    """Count the tokens an unattached ``llama`` evaluates (wraps its ``eval``); return a reader of the count."""
+    evaluated = [0]
+    inner = llama.eval
+
+    def counting_eval(tokens: Sequence[int]) -> None:
+        evaluated[0] += len(tokens)
+        inner(tokens)
+
+    llama.eval = counting_eval
+    return lambda: evaluated[0]
+
+
+def attach(
+    llama: Llama,
+    settings: CheckpointSettings | None = None,
+    *,
+    cache: PromptCache | None = None,
+    disk: DiskTier | None = None,
+    **overrides: Any,
+) -> CheckpointManager:
+    """Give ``llama`` shared checkpoints and a prefix-indexed prompt cache; return its manager.
+
+    :param llama: A ``llama_cpp.Llama`` created by the host.
+    :param settings: :class:`~ckpt_plugin.config.CheckpointSettings`; keyword arguments override fields.
+    :param cache: A :class:`~ckpt_plugin.cache.PromptCache` shared with other managers of the same model.
+    :param disk: A :class:`~ckpt_plugin.disk_tier.DiskTier` shared likewise.
+    :raises UnsupportedHostError: ``llama`` is not a ``Llama``, is already attached, serves embeddings, has no
+        context (``vocab_only=True``, or closed), or llama-cpp-python is outside the tested versions; nothing is
+        patched then.
+    """
+    if not isinstance(llama, Llama):
+        raise UnsupportedHostError(f"attach() needs a llama_cpp.Llama, got {type(llama).__name__}")
+    version = _version_tuple(getattr(llama_cpp, "__version__", "0"))
+    low, high = TESTED_VERSIONS
+    if not (low <= version < high):
+        raise UnsupportedHostError(
+            f"llama-cpp-python {llama_cpp.__version__} is outside the tested range "
+            f"{'.'.join(map(str, low))} to {'.'.join(map(str, high))} (exclusive)"
+        )
+    if getattr(llama, _MANAGER_ATTR, None) is not None:
+        raise UnsupportedHostError("this Llama is already attached; detach() it first")
+    if llama.context_params.embeddings:
+        raise UnsupportedHostError("embedding contexts have no generation state to checkpoint")
+    if not host.has_context(llama) or llama_cpp.llama_get_memory(llama.ctx) is None:
+        raise UnsupportedHostError("this Llama has no context memory (vocab_only, closed, or created without one)")
+    backend = LlamaBackend(llama)
+    manager = CheckpointManager(backend, settings, cache=cache, disk=disk, **overrides)
+    attachment = _Attachment(llama, manager, backend)
+    attachment.install()
+    manager.hooks.on_attach()
+    return manager
+
+
+def detach(llama: Llama) -> CheckpointManager:
+    """Undo :func:`attach`: restore ``llama``'s own methods and cache; return the (closed) manager."""
+    attachment = getattr(llama, _MANAGER_ATTR, None)
+    if attachment is None:
+        raise UnsupportedHostError("this Llama is not attached")
+    attachment.uninstall()
+    attachment.manager.close()
+    return attachment.manager
+
+
+def manager_of(llama: Llama) -> CheckpointManager | None:
+    """The manager attached to ``llama``, or ``None``."""
+    attachment = getattr(llama, _MANAGER_ATTR, None)
+    return attachment.manager if attachment is not None else None

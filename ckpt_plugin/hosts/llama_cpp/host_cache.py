@@ -1,0 +1,113 @@
+"""The host's own prompt-cache interface over the engine's store: ``save_state`` / ``load_state`` handles that share
+states instead of copying them, and a ``BaseLlamaCache`` view of the prefix-indexed cache."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Sequence
+
+import numpy as np
+from llama_cpp.llama import Llama, LlamaState
+from llama_cpp.llama_cache import BaseLlamaCache, LlamaDiskCache
+
+from ... import host_compat as host
+from ...cache import CacheEntry, PromptCache
+from ...checkpoint import freeze
+from ...config import CheckpointSettings
+from ...disk_tier import DiskTier
+from ...manager import CheckpointManager
+
+_NO_SCORES = freeze(np.empty((0, 0), dtype=np.single))
+
+
+class SharedLlamaState(LlamaState):
+    """A ``LlamaState`` that references an immutable prompt-cache entry instead of copying the state.
+
+    ``llama_state`` is a read-only ``memoryview`` of the captured bytes; ``scores`` is empty because restoring
+    always re-evaluates the last prompt token (fresh logits). Pickling it produces a plain ``LlamaState`` copy.
+    """
+
+    def __init__(self, entry: CacheEntry, seed: int) -> None:
+        self.entry = entry
+        self.input_ids = entry.tokens
+        self.scores = _NO_SCORES
+        self.n_tokens = entry.n_tokens
+        self.llama_state = memoryview(entry.state.target)
+        self.llama_state_size = int(entry.state.target.nbytes)
+        self.seed = seed
+
+    def __reduce__(self) -> tuple:
+        raise TypeError(
+            "SharedLlamaState references a live sequence-state capture and cannot be pickled; "
+            "use the manager's persistence API to store it"
+        )
+
+
+class HostPromptCache(BaseLlamaCache):
+    """``BaseLlamaCache`` interface over a manager's prompt cache, installed by the patched ``set_cache``."""
+
+    def __init__(self, manager: CheckpointManager, llama: Llama) -> None:
+        super().__init__(manager.cache.max_bytes)
+        self.manager = manager
+        self._llama = llama
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def cache_size(self) -> int:
+        return self.manager.cache.resident_bytes
+
+    def _best(self, key: Sequence[int]) -> CacheEntry | None:
+        # The host takes one state: the entries below the point where the prompt leaves the tree all share the same
+        # prefix with it, so one of them is as good as any (no walk through the others' subtrees).
+        candidates = self.manager.cache.lookup(self.manager.current_namespace(), self.manager.fingerprint, key,
+                                               max_candidates=1)
+        best = max(candidates, key=lambda pair: pair[1], default=None)
+        return best[0] if best is not None and best[1] > 0 else None
+
+    def __getitem__(self, key: Sequence[int]) -> LlamaState:
+        entry = self._best(key)
+        if entry is None:
+            raise KeyError("no cached prompt shares a prefix with this key")
+        return SharedLlamaState(entry, host.seed(self._llama))
+
+    def __contains__(self, key: Sequence[int]) -> bool:
+        return self._best(key) is not None
+
+    def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
+        if not isinstance(value, SharedLlamaState):
+            raise TypeError("only states from an attached Llama's save_state() can be cached here")
+        with self.manager.lock:
+            self.manager.admit(value.entry)
+
+
+_HOST_CACHE_TIERS: "weakref.WeakKeyDictionary[BaseLlamaCache, tuple[PromptCache, DiskTier | None]]" = (
+    weakref.WeakKeyDictionary()
+)
+_HOST_CACHE_TIERS_LOCK = threading.Lock()
+
+
+def _tiers_for_host_cache(
+    cache: BaseLlamaCache, settings: CheckpointSettings
+) -> tuple[PromptCache, DiskTier | None]:
+    """The prompt cache (and disk tier) standing for one host cache object, shared by every ``Llama`` given it.
+
+    ``LlamaRAMCache(capacity_bytes)`` becomes a RAM prompt cache of that budget; ``LlamaDiskCache(cache_dir,
+    capacity_bytes)`` a disk tier in ``cache_dir`` of that budget, in front of a RAM cache of the manager's budget.
+    Entries of different models stay apart through their fingerprints, as in the host's own cache.
+    """
+    with _HOST_CACHE_TIERS_LOCK:
+        tiers = _HOST_CACHE_TIERS.get(cache)
+        if tiers is None:
+            capacity = int(getattr(cache, "capacity_bytes", settings.cache_max_bytes))
+            if isinstance(cache, LlamaDiskCache):
+                directory = os.path.join(cache.cache.directory, "ckpt_plugin")
+                tiers = (PromptCache(settings.cache_max_bytes, settings.cache_max_tokens),
+                         DiskTier(directory, capacity))
+            else:
+                tiers = (PromptCache(capacity, settings.cache_max_tokens), None)
+            _HOST_CACHE_TIERS[cache] = tiers
+        return tiers
