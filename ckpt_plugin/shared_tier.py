@@ -25,16 +25,13 @@ writes queued before it write nothing (``DELETE /checkpoints``).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
-import re
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
-from urllib.parse import urlsplit
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -42,175 +39,28 @@ from .cache import CacheEntry
 from .checkpoint import StateBuffer
 from .errors import CheckpointError, ConfigError
 from .policy import Hit, MemoryKind, Reuse, best_reuse
-from .shared_format import (
-    BLOCK_TOKENS,
-    MAX_LOOKUP_BLOCKS,
-    Manifest,
-    Partition,
-    blob_digest,
-    check_blob,
-    decode_manifest,
-    encode_manifest,
-    parse_entry_id,
-)
+from .shared_format import BLOCK_TOKENS, MAX_LOOKUP_BLOCKS, Manifest, Partition, check_blob, decode_manifest, parse_entry_id
 from .write_behind import Job, WriteBehind
+from .shared_support import (
+    _T,
+    LINEAGE_MANIFESTS,
+    MAX_CANDIDATES,
+    TIER,
+    WRITE_TIMEOUT,
+    DigestCache,
+    Latency,
+    Reads,
+    SharedCounters,
+    redacted,
+)
+from .shared_writes import SharedWrites
 
 if TYPE_CHECKING:
     from .config import CheckpointSettings
 
 log = logging.getLogger("ckpt_plugin")
 
-TIER = "shared"
-"""The tier name of the shared tier's hits (``Plan.tier``)."""
-MAX_CANDIDATES = 2
-"""Manifests fetched per lookup: the deepest entries the index names, deepest first."""
-WRITE_TIMEOUT = 5.0
-"""Seconds a write-behind command may block (a state of tens of MB takes a while on a slow link)."""
-WRITE_DELAY = 0.1
-"""Seconds a write waits at most for the next request's reads: the server ingesting a state of tens of MB delays
-every other command, so a write starts once the request that follows its response has done its lookup and fetch
-(or after this long, when none comes)."""
-LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
-_RECENT = 4096
-LINEAGE_MANIFESTS = 64
-"""Manifests restored from or written recently, whose checkpoints later entries of their lineages name."""
-FORGET_SCAN_COUNT = 1000
-"""``COUNT`` hint of each ``SCAN`` of :meth:`SharedTier.forget`: keys the server looks at per round trip."""
-FORGET_BATCH = 500
-"""Keys per ``UNLINK`` of :meth:`SharedTier.forget`: each call is short for the server (UNLINK frees the values on
-a background thread), and a round trip carries many keys."""
-_FORGETS = 1024
-"""Forgotten partitions remembered (with when), so that writes queued before a forget write nothing."""
-_T = TypeVar("_T")
-
-
-@dataclass
-class SharedCounters:
-    """Monotonic counters of a shared tier (``ckpt_shared_*_total`` in ``/metrics``)."""
-
-    lookups: int = 0
-    hits: int = 0
-    misses: int = 0
-    errors: int = 0
-    corrupt: int = 0
-    incomplete: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    writes: int = 0
-    write_errors: int = 0
-    write_drops: int = 0
-    round_trips: int = 0
-    write_round_trips: int = 0
-
-
-class Latency:
-    """A latency histogram (cumulative buckets, as Prometheus exposes them)."""
-
-    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.buckets = tuple(buckets)
-        self._counts = [0] * (len(self.buckets) + 1)
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, seconds: float) -> None:
-        index = next((i for i, bound in enumerate(self.buckets) if seconds <= bound), len(self.buckets))
-        with self._lock:
-            self._counts[index] += 1
-            self._sum += seconds
-
-    def snapshot(self) -> tuple[list[tuple[str, int]], float]:
-        """``([(upper bound, cumulative count), ..., ("+Inf", total)], sum)``."""
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        cumulative, running = [], 0
-        for bound, count in zip([*map(str, self.buckets), "+Inf"], counts):
-            running += count
-            cumulative.append((bound, running))
-        return cumulative, total
-
-
-class DigestCache:
-    """Blob digests of live state buffers by identity, and live buffers by digest; both forget a buffer when it
-    dies. A checkpoint shared by a conversation's entries is hashed once, and a blob this process holds is never
-    fetched."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, tuple[weakref.ref, bytes]] = {}
-        self._by_digest: dict[bytes, weakref.ref] = {}
-        # Finalizers may run in the middle of any allocation, on a thread already holding the lock.
-        self._lock = threading.RLock()
-
-    def digest(self, buffer: StateBuffer) -> bytes:
-        with self._lock:
-            known = self._by_id.get(id(buffer))
-            if known is not None and known[0]() is buffer:
-                return known[1]
-        digest = blob_digest(buffer)
-        self.remember(buffer, digest)
-        return digest
-
-    def remember(self, buffer: StateBuffer, digest: bytes) -> None:
-        with self._lock:
-            self._by_id[id(buffer)] = (weakref.ref(buffer), digest)
-            self._by_digest[digest] = weakref.ref(buffer)
-        weakref.finalize(buffer, self._forget, id(buffer), digest)
-
-    def buffer(self, digest: bytes) -> StateBuffer | None:
-        with self._lock:
-            ref = self._by_digest.get(digest)
-            return ref() if ref is not None else None
-
-    def _forget(self, key: int, digest: bytes) -> None:
-        with self._lock:
-            known = self._by_id.get(key)
-            if known is not None and known[0]() is None:
-                del self._by_id[key]
-            ref = self._by_digest.get(digest)
-            if ref is not None and ref() is None:
-                del self._by_digest[digest]
-
-
-class Reads:
-    """When the request path last talked to the server, so that writes wait for its reads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self._started = 0.0
-        self._ended = 0.0
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        with self._lock:
-            self._in_flight += 1
-            self._started = time.monotonic()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._in_flight -= 1
-                self._ended = time.monotonic()
-
-    def wait_quiet(self, since: float, limit: float, quiet: float = 0.002) -> None:
-        """Wait until a read that started after ``since`` is over and ``quiet`` seconds passed without one, or
-        until ``since + limit``."""
-        while (now := time.monotonic()) < since + limit:
-            with self._lock:
-                done = self._started > since and not self._in_flight and now - self._ended >= quiet
-            if done:
-                return
-            time.sleep(quiet)
-
-
-def redacted(url: str) -> str:
-    """``url`` without its credentials, for logs."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}"
-
-
-class SharedTier:
+class SharedTier(SharedWrites):
     """Entries in a Redis or Valkey server at ``url``, shared by every replica that points there.
 
     :param url: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) or ``unix://path``, as
@@ -472,192 +322,6 @@ class SharedTier:
         self._count(hits=1)
 
     # -------------------------------------------------------------------------------------------------------------
-    # writes
-
-    def submit(self, entry: CacheEntry, release: Callable[[], None]) -> bool:
-        """Queue ``entry`` for writing after the response; ``release`` runs once it is written or dropped.
-
-        Entries shorter than a block (never found by a lookup) and entries this process wrote recently (same
-        tokens, same partition: the same state) are not written again.
-        """
-        partition = self.partition(entry.namespace, entry.fingerprint)
-        entry_id = partition.entry_id(entry.tokens)
-        if entry.n_tokens < BLOCK_TOKENS or not self._claim(entry_id, partition.base):
-            release()
-            return False
-        if not self._up:
-            self._count(write_drops=1)
-            self._unclaim(entry_id)
-            release()
-            return False
-        written = [False]
-        submitted = time.monotonic()
-
-        def run() -> None:
-            self._reads.wait_quiet(submitted, WRITE_DELAY)
-            written[0] = self._write(partition, entry_id, entry, submitted)
-
-        def done() -> None:
-            if not written[0]:
-                self._unclaim(entry_id)  # dropped or failed: a later offer of the same state is written
-            release()
-
-        return self._queue.submit(Job(run, done))
-
-    def _claim(self, entry_id: str, base: str) -> bool:
-        """Record that ``entry_id`` (of the partition whose keys start with ``base``) is being written, unless it was
-        (or is being) written recently: the state of a slot is offered after its response and again when the slot
-        is parked, and written once."""
-        with self._lock:
-            claimed = self._recent.get(entry_id)
-            now = time.monotonic()
-            if claimed is not None and (self.ttl is None or now - claimed[0] < self.ttl / 2):
-                return False
-            self._recent[entry_id] = (now, base)
-            self._recent.move_to_end(entry_id)
-            while len(self._recent) > _RECENT:
-                self._recent.popitem(last=False)
-            return True
-
-    def _unclaim(self, entry_id: str) -> None:
-        with self._lock:
-            self._recent.pop(entry_id, None)
-
-    def _write(self, partition: Partition, entry_id: str, entry: CacheEntry, submitted: float) -> bool:
-        """Write ``entry`` (queued at ``submitted``); return whether it is stored (a failure is counted, never
-        raised). An entry of a partition forgotten since it was queued is not written: it is state the tenant asked
-        to forget."""
-        with self._write_lock:
-            if self._forgotten_since(partition.base, submitted):
-                log.debug("shared tier %s: not writing an entry of a partition forgotten since", self.url)
-                return False
-            if not self._up:
-                self._count(write_drops=1)
-                return False
-            try:
-                return self._write_entry(partition, entry_id, entry)
-            except self._errors as exc:
-                self._count(write_errors=1)
-                self._failed("write", exc)
-                return False
-
-    def _write_entry(self, partition: Partition, entry_id: str, entry: CacheEntry) -> bool:
-        """Blobs first, then the manifest, then the index: a reader that finds an index key finds the rest."""
-        encoded = encode_manifest(entry, self._digests.digest, self._lineage_of(partition))
-        blobs = encoded.blobs
-        blob_keys = {digest: partition.blob_key(digest) for digest in blobs}
-        pipe = self._writer.pipeline(transaction=False)
-        for key in blob_keys.values():
-            pipe.exists(key)
-        present = pipe.execute()
-        pipe = self._writer.pipeline(transaction=False)
-        written = 0
-        for (digest, key), exists in zip(blob_keys.items(), present):
-            if not exists:
-                pipe.set(key, memoryview(blobs[digest]), ex=self.ttl)
-                written += int(blobs[digest].nbytes)
-            elif self.ttl is not None:
-                pipe.expire(key, self.ttl)
-        if self.ttl is not None:
-            for digest in encoded.carried:
-                pipe.expire(partition.blob_key(digest), self.ttl)
-        if not self._executed(pipe, "write blobs"):
-            return False
-        pipe = self._writer.pipeline(transaction=False)
-        pipe.set(partition.entry_key(entry_id), encoded.data, ex=self.ttl)
-        for chained in partition.chain(entry.tokens):
-            pipe.set(partition.index_key(chained), entry_id, ex=self.ttl)
-        if not self._executed(pipe, "write manifest"):
-            return False
-        self._count(writes=1, bytes_written=written + len(encoded.data), write_round_trips=3)
-        self._note(partition, encoded.manifest)
-        return True
-
-    def _executed(self, pipe: Any, what: str) -> bool:
-        """Run ``pipe``; a refused command (``maxmemory`` with ``noeviction``: OOM) fails the write, not the tier."""
-        results = pipe.execute(raise_on_error=False)
-        refused = [r for r in results if isinstance(r, BaseException)]
-        if not refused:
-            return True
-        unreachable = [r for r in refused if isinstance(r, self._unreachable)]
-        if unreachable:
-            raise unreachable[0]
-        self._count(write_errors=1)
-        log.warning("shared tier %s: %s refused: %s", self.url, what, refused[0])
-        return False
-
-    # -------------------------------------------------------------------------------------------------------------
-    # forgetting
-
-    def forget(self, namespace: str | None, fingerprint: str) -> int | None:
-        """Delete every key of ``namespace``'s partition of model ``fingerprint`` (of every namespace of that model,
-        for ``None``): manifests, blobs and index keys; return how many manifests (entries) went, or ``None`` if the
-        server could not do it (unreachable, or the ACL refuses ``SCAN``/``UNLINK``; a warning and
-        ``ckpt_shared_errors_total``).
-
-        Waits for a write in progress (its keys are then deleted too); writes of that partition queued before this
-        call write nothing. Keys are found with ``SCAN ... MATCH <partition>*`` and deleted with ``UNLINK`` in
-        batches of :data:`FORGET_BATCH`, never ``KEYS``: the server keeps serving other clients between round trips.
-        The cost grows with the server's whole keyspace (``SCAN`` walks it), about one round trip per
-        :data:`FORGET_SCAN_COUNT` keys. Other replicas' RAM and disk tiers are theirs to clear.
-        """
-        base = self.partition(namespace if namespace is not None else "", fingerprint).base
-        if namespace is None:
-            # "<prefix>:<fp>:<ns>:" -> "<prefix>:<fp>:": every namespace of the model (digests hold no ':').
-            base = base[: base.rstrip(":").rfind(":") + 1]
-        with self._write_lock:
-            with self._lock:
-                self._forgotten[base] = time.monotonic()
-                self._forgotten.move_to_end(base)
-                while len(self._forgotten) > _FORGETS:
-                    self._forgotten.popitem(last=False)
-                # A state of the partition offered again later is new state: write it then.
-                for entry_id in [i for i, (_, b) in self._recent.items() if b.startswith(base)]:
-                    del self._recent[entry_id]
-                # Later manifests must not name checkpoints whose blobs are about to go.
-                for key in [k for k in self._lineage if k[0].startswith(base)]:
-                    del self._lineage[key]
-            try:
-                return self._unlink_matching(_glob_escape(base) + "*")
-            except self._errors as exc:
-                self._failed("forget", exc)
-                return None
-
-    def _unlink_matching(self, pattern: str) -> int:
-        """``UNLINK`` every key matching ``pattern``, found by ``SCAN``; return how many were manifests."""
-        manifests = 0
-        batch: list[bytes] = []
-
-        def flush() -> int:
-            self._writer.unlink(*batch)
-            # A manifest's key is "<partition>e:<entry id>"; ids are hex digits, so the kind is the part before.
-            found = sum(1 for key in batch if key.rsplit(b":", 2)[-2] == b"e")
-            batch.clear()
-            return found
-
-        for key in self._writer.scan_iter(match=pattern, count=FORGET_SCAN_COUNT):
-            batch.append(key)
-            if len(batch) >= FORGET_BATCH:
-                manifests += flush()
-        if batch:
-            manifests += flush()
-        return manifests
-
-    def _forgotten_since(self, base: str, since: float) -> bool:
-        """Whether a partition whose keys start with ``base`` was forgotten at or after ``since``."""
-        with self._lock:
-            return any(base.startswith(prefix) and when >= since for prefix, when in self._forgotten.items())
-
-    def publish_marker(self, owner: Any, marker: tuple[int, str]) -> bool:
-        """Record that ``owner`` (a manager) offered its slot at ``marker`` (version, namespace); ``False`` if it
-        already had."""
-        with self._lock:
-            if self._published.get(owner) == marker:
-                return False
-            self._published[owner] = marker
-            return True
-
-    # -------------------------------------------------------------------------------------------------------------
     # views
 
     @property
@@ -680,11 +344,6 @@ class SharedTier:
         out.update(available=int(self._up), queue_depth=self.queue_depth, url=self.url,
                    lookup_seconds=self.lookup_latency.snapshot(), fetch_seconds=self.fetch_latency.snapshot())
         return out
-
-
-def _glob_escape(text: str) -> str:
-    """``text`` as a literal in a Redis glob pattern (``SCAN ... MATCH``): the prefix is the operator's choice."""
-    return re.sub(r"([*?\[\]\\^])", r"\\\1", text)
 
 
 _TIERS: dict[tuple, SharedTier] = {}
