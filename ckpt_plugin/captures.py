@@ -63,7 +63,7 @@ class Captures:
             log.warning("allocation of %d state bytes failed; prompt-cache budget shrunk to %d", size, shrunk)
             self.store.resize(shrunk)
             self.counters.capture_failures += 1
-            self.hooks.on_capture_failed(slot, expected=size, written=0)
+            self.hooks.call(self.hooks.hook.on_capture_failed, slot=slot, expected=size, written=0)
             return None
         written = int(backend.read_state(buffer, partial))
         if expected is not None and written != size:
@@ -75,13 +75,14 @@ class Captures:
         if written != size:
             log.warning("state capture wrote %d of %d bytes; no checkpoint taken", written, size)
             self.counters.capture_failures += 1
-            self.hooks.on_capture_failed(slot, expected=size, written=written)
+            self.hooks.call(self.hooks.hook.on_capture_failed, slot=slot, expected=size, written=written)
             return None
         if partial and expected is None:
             self.partial_sizes.learn(cells, size)
         self.counters.bytes_captured += written
-        extras: list[ExtraState] = self.hooks.on_checkpoint_capture(slot, n_tokens=slot.n_tokens, partial=partial)
-        by_kind = {extra.kind: extra.data for extra in extras} if extras else {}
+        extras: list[ExtraState | None] = self.hooks.call(self.hooks.hook.on_checkpoint_capture, slot=slot,
+                                                          n_tokens=slot.n_tokens, partial=partial)
+        by_kind = {extra.kind: extra.data for extra in extras if extra is not None} if extras else {}
         return Checkpoint(
             n_tokens=slot.n_tokens,
             pos_min=self.kind.restored_pos_min(pos_min, pos_max),

@@ -32,7 +32,7 @@ class DefaultPlugin:
     def on_prompt_processed(
         self, manager: EngineView, slot: Slot, start: int, end: int, prompt_end: int
     ) -> None:
-        if manager.hooks.checkpoint_wanted(slot, position=end, prompt_end=prompt_end):
+        if manager.hooks.call(manager.hooks.hook.checkpoint_wanted, slot=slot, position=end, prompt_end=prompt_end):
             manager.slots[slot.id].checkpoint()
 
     @hookimpl(trylast=True)

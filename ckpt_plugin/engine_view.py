@@ -61,6 +61,7 @@ class EngineView(Protocol):
     """An engine: slots over one store, with settings, rules, counters and plugins they share.
 
     :ivar slots: The slots, by id (``slot.id`` indexes it).
+    :ivar hooks: Calls the plugins' hooks with ``manager`` bound (:class:`~ckpt_plugin.hook_relay.HookRelay`).
     """
 
     settings: CheckpointSettings
@@ -69,6 +70,7 @@ class EngineView(Protocol):
     counters: Counters
     store: TieredStore
     plugins: Any
+    hooks: Any
     slots: Sequence[SlotView]
 
     @property

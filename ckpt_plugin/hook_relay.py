@@ -1,22 +1,21 @@
-"""Typed calls of the project's hooks for one manager, through pluggy's relay (``plugins.hook.<name>``).
+"""Calls of the project's hooks for one manager, through pluggy's own callers (``plugins.hook.<name>``).
 
-Each method has the hook's signature less ``manager`` (bound here), returns what the spec says, and turns an
-implementation's exception into a :class:`~ckpt_plugin.errors.PluginError` naming the plugin that raised it.
+``hooks.call(hooks.hook.on_checkpoint_created, slot=..., checkpoint=...)`` binds ``manager``, skips the hooks nobody
+implements without entering pluggy, and turns an implementation's exception into a
+:class:`~ckpt_plugin.errors.PluginError` naming the plugin that raised it. There is no method per hook: the callers
+are pluggy's, and what a hook returns is read where it is called.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from .errors import PluginError
 
 if TYPE_CHECKING:
-    from .cache import CacheEntry
-    from .checkpoint import Checkpoint, ExtraState
     from .engine_view import EngineView
-    from .slot import Slot
 
 
 class ProjectPlugins(pluggy.PluginManager):
@@ -72,11 +71,14 @@ class ProjectPlugins(pluggy.PluginManager):
 
 
 class HookRelay:
-    """The hooks of ``manager``'s plugin manager, called with ``manager`` bound."""
+    """The hooks of ``manager``'s plugin manager, called with ``manager`` bound.
+
+    :ivar hook: The plugin manager's hook callers (``plugins.hook``).
+    """
 
     def __init__(self, plugins: pluggy.PluginManager, manager: EngineView) -> None:
         self._plugins = plugins
-        self._hook = plugins.hook
+        self.hook = plugins.hook
         self._manager = manager
 
     def call(self, caller: pluggy.HookCaller, **kwargs: Any) -> Any:
@@ -89,7 +91,7 @@ class HookRelay:
         hooks that can be skipped; with another plugin manager every call goes through pluggy.
         """
         firstresult = getattr(self._plugins, "idle_hooks", _NONE_IDLE).get(caller.name)
-        if firstresult is not None and caller is getattr(self._hook, caller.name, None):  # this manager's own hook
+        if firstresult is not None and caller is getattr(self.hook, caller.name, None):  # this manager's own hook
             return None if firstresult else []
         try:
             return caller(manager=self._manager, **kwargs)
@@ -97,59 +99,6 @@ class HookRelay:
             raise
         except Exception as exc:
             raise PluginError(culprit(caller, exc), caller.name, exc) from exc
-
-    # life cycle
-
-    def on_attach(self) -> None:
-        self.call(self._hook.on_attach)
-
-    def on_detach(self) -> None:
-        self.call(self._hook.on_detach)
-
-    # checkpoints
-
-    def on_prompt_processed(self, slot: Slot, start: int, end: int, prompt_end: int) -> None:
-        self.call(self._hook.on_prompt_processed, slot=slot, start=start, end=end, prompt_end=prompt_end)
-
-    def checkpoint_wanted(self, slot: Slot, position: int, prompt_end: int) -> bool:
-        return bool(self.call(self._hook.checkpoint_wanted, slot=slot, position=position, prompt_end=prompt_end))
-
-    def on_checkpoint_capture(self, slot: Slot, n_tokens: int, partial: bool) -> list[ExtraState]:
-        results = self.call(self._hook.on_checkpoint_capture, slot=slot, n_tokens=n_tokens, partial=partial)
-        return [extra for extra in results if extra is not None] if results else []
-
-    def on_checkpoint_created(self, slot: Slot, checkpoint: Checkpoint) -> None:
-        self.call(self._hook.on_checkpoint_created, slot=slot, checkpoint=checkpoint)
-
-    def on_checkpoint_erased(self, slot: Slot, checkpoint: Checkpoint, reason: str) -> None:
-        self.call(self._hook.on_checkpoint_erased, slot=slot, checkpoint=checkpoint, reason=reason)
-
-    def on_capture_failed(self, slot: Slot, expected: int, written: int) -> None:
-        self.call(self._hook.on_capture_failed, slot=slot, expected=expected, written=written)
-
-    # restores
-
-    def on_slot_restore(self, slot: Slot, checkpoint: Checkpoint | None, entry: CacheEntry | None,
-                        n_tokens: int) -> None:
-        self.call(self._hook.on_slot_restore, slot=slot, checkpoint=checkpoint, entry=entry, n_tokens=n_tokens)
-
-    def on_full_reprocess(self, slot: Slot, n_common: int, reason: str) -> None:
-        self.call(self._hook.on_full_reprocess, slot=slot, n_common=n_common, reason=reason)
-
-    # prompt cache
-
-    def on_cache_alloc(self, namespace: str, n_tokens: int, n_bytes: int) -> bool:
-        """Whether the entry may enter (a ``None`` from every plugin admits it)."""
-        return self.call(self._hook.on_cache_alloc, namespace=namespace, n_tokens=n_tokens, n_bytes=n_bytes) is not False
-
-    def select_cache_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = "ram") -> Sequence[Any]:
-        return self.call(self._hook.select_cache_victims, entries=entries, n_bytes=n_bytes, tier=tier) or []
-
-    def on_cache_evict(self, entry: CacheEntry, reason: str) -> None:
-        self.call(self._hook.on_cache_evict, entry=entry, reason=reason)
-
-    def on_cache_hit(self, slot: Slot, entry: CacheEntry, n_tokens: int) -> None:
-        self.call(self._hook.on_cache_hit, slot=slot, entry=entry, n_tokens=n_tokens)
 
 
 _NONE_IDLE: dict[str, bool] = {}

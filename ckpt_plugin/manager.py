@@ -116,15 +116,17 @@ class CheckpointManager:
     # store events (see ckpt_plugin.store.StoreEvents)
 
     def allow_admission(self, entry: CacheEntry, n_bytes: int) -> bool:
-        return self.hooks.on_cache_alloc(namespace=entry.namespace, n_tokens=entry.n_tokens, n_bytes=n_bytes)
+        # A None from every plugin admits the entry.
+        return self.hooks.call(self.hooks.hook.on_cache_alloc, namespace=entry.namespace, n_tokens=entry.n_tokens,
+                               n_bytes=n_bytes) is not False
 
     def select_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = "ram") -> Sequence[Any]:
-        return self.hooks.select_cache_victims(entries, n_bytes, tier)
+        return self.hooks.call(self.hooks.hook.select_cache_victims, entries=entries, n_bytes=n_bytes, tier=tier) or []
 
     def evicted(self, entry: CacheEntry, reason: str) -> None:
         if reason == "budget":
             self.counters.cache_evictions += 1
-        self.hooks.on_cache_evict(entry, reason)
+        self.hooks.call(self.hooks.hook.on_cache_evict, entry=entry, reason=reason)
 
     def admitted(self, entry: CacheEntry) -> None:
         self.counters.cache_saves += 1
@@ -281,4 +283,4 @@ class CheckpointManager:
         """Drop the slots' checkpoints and tell the plugins the manager is going away."""
         for controller in self.slots:
             controller.close()
-        self.hooks.on_detach()
+        self.hooks.call(self.hooks.hook.on_detach)

@@ -99,7 +99,7 @@ class SlotController(SlotMemory):
                 "recurrent state cannot be truncated" if self.kind.recurrent else "sliding window lost the prefix"
             )
             log.info("re-processing %d tokens the memory shared with the prompt: %s", live.n_common - n_keep, reason)
-            self.hooks.on_full_reprocess(slot, n_common=live.n_common, reason=reason)
+            self.hooks.call(self.hooks.hook.on_full_reprocess, slot=slot, n_common=live.n_common, reason=reason)
         if entry is None and live.n_keep < max(len(prompt) - 1, 0) and not just_loaded:
             self.counters.cache_misses += 1
         self.counters.tokens_reused += n_keep
@@ -119,7 +119,7 @@ class SlotController(SlotMemory):
         started = time.perf_counter()
         if entry is not None:
             self.counters.cache_hits += 1
-            self.hooks.on_cache_hit(slot, entry, n_tokens=n_keep)
+            self.hooks.call(self.hooks.hook.on_cache_hit, slot=slot, entry=entry, n_tokens=n_keep)
             if plan.restore_state:
                 self._restore(entry.state)
             self.store.touch(entry)
@@ -131,7 +131,8 @@ class SlotController(SlotMemory):
             self._adopt(entry.tokens, entry.checkpoints, n_keep)
         self.last_restore_seconds = time.perf_counter() - started
         self.counters.restore_seconds += self.last_restore_seconds
-        self.hooks.on_slot_restore(slot, checkpoint=plan.checkpoint, entry=entry, n_tokens=n_keep)
+        self.hooks.call(self.hooks.hook.on_slot_restore, slot=slot, checkpoint=plan.checkpoint, entry=entry,
+                        n_tokens=n_keep)
 
     def process(self, tokens: Sequence[int] | np.ndarray, prompt_end: int | None = None) -> None:
         """Evaluate ``tokens`` after the slot's end, pausing where checkpoints may be taken.
@@ -166,7 +167,7 @@ class SlotController(SlotMemory):
                 # next chunk, so that the branch checkpoint is the newest.
                 self._invalidate_after(b)
             if a < prompt_end:
-                self.hooks.on_prompt_processed(slot, start=a, end=b, prompt_end=prompt_end)
+                self.hooks.call(self.hooks.hook.on_prompt_processed, slot=slot, start=a, end=b, prompt_end=prompt_end)
         if start < branch <= end:
             self.branch_point = 0  # one prompt's, spent by the evaluation that passed it
         self.pin_slot()

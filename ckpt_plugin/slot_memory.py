@@ -108,7 +108,7 @@ class SlotMemory:
             released.extend(victim.buffers())
             self._erased(victim, "limit")
         self.store.pin_changes(slot, list(checkpoint.buffers()), released)
-        self.hooks.on_checkpoint_created(slot, checkpoint)
+        self.hooks.call(self.hooks.hook.on_checkpoint_created, slot=slot, checkpoint=checkpoint)
         return checkpoint
 
     def pin_slot(self) -> None:
@@ -120,7 +120,7 @@ class SlotMemory:
 
     def _erased(self, checkpoint: Checkpoint, reason: str) -> None:
         self.counters.checkpoints_erased += 1
-        self.hooks.on_checkpoint_erased(self.slot, checkpoint, reason)
+        self.hooks.call(self.hooks.hook.on_checkpoint_erased, slot=self.slot, checkpoint=checkpoint, reason=reason)
 
     def clear_slot(self) -> None:
         """Empty the memory and the slot (tokens, checkpoints, the cached full capture)."""
@@ -171,7 +171,8 @@ class SlotMemory:
             self._loaded_from_cache = self.slot.version
         self.last_restore_seconds = time.perf_counter() - started
         self.counters.restore_seconds += self.last_restore_seconds
-        self.hooks.on_slot_restore(self.slot, checkpoint=None, entry=entry, n_tokens=self.slot.n_tokens)
+        self.hooks.call(self.hooks.hook.on_slot_restore, slot=self.slot, checkpoint=None, entry=entry,
+                        n_tokens=self.slot.n_tokens)
         return self.slot.n_tokens
 
     def save_to_cache(self) -> CacheEntry | None:

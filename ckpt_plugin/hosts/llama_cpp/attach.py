@@ -352,7 +352,7 @@ def attach(
     manager = CheckpointManager(backend, settings, cache=cache, disk=disk, **overrides)
     attachment = _Attachment(llama, manager, backend)
     attachment.install()
-    manager.hooks.on_attach()
+    manager.hooks.call(manager.hooks.hook.on_attach)
     return manager
 
 
