@@ -35,6 +35,7 @@ from .slot_files import erase_slot, restore_slot, save_slot
 from .counters import Cleared, Counters
 from .stats import describe, manager_stats
 from .store import TieredStore
+from .tiers import Tier
 
 __all__ = ["Backend", "CheckpointManager", "Counters", "DEFAULT_PLUGIN_NAME", "DefaultPlugin", "Slot"]
 
@@ -120,7 +121,7 @@ class CheckpointManager:
         return self.hooks.call(self.hooks.hook.on_cache_alloc, namespace=entry.namespace, n_tokens=entry.n_tokens,
                                n_bytes=n_bytes) is not False
 
-    def select_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = "ram") -> Sequence[Any]:
+    def select_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = Tier.RAM) -> Sequence[Any]:
         return self.hooks.call(self.hooks.hook.select_cache_victims, entries=entries, n_bytes=n_bytes, tier=tier) or []
 
     def evicted(self, entry: CacheEntry, reason: str) -> None:

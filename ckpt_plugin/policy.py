@@ -245,7 +245,7 @@ C = TypeVar("C", bound=Candidate)
 class Hit(Generic[C]):
     """A candidate found by a store's lookup, not fetched yet.
 
-    :ivar tier: The tier it lives in (``"ram"``, ``"disk"``, ...).
+    :ivar tier: The tier it lives in (a :class:`~ckpt_plugin.tiers.Tier`).
     :ivar n_common: Tokens it shares with the prompt at most (what the index matched).
     :ivar fetch: Returns the candidate (mapping a file, fetching from a remote tier), or ``None`` if it is gone.
     """

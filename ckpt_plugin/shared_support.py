@@ -15,10 +15,11 @@ from urllib.parse import urlsplit
 
 from .checkpoint import StateBuffer
 from .shared_format import blob_digest
+from .tiers import Tier
 
 log = logging.getLogger("ckpt_plugin")
 
-TIER = "shared"
+TIER = Tier.SHARED
 """The tier name of the shared tier's hits (``Plan.tier``)."""
 MAX_CANDIDATES = 2
 """Manifests fetched per lookup: the deepest entries the index names, deepest first."""

@@ -25,6 +25,7 @@ from .policy import LiveMemory, Plan, plan_prompt
 from .schedule import branch_point, pause_points
 from .request import current_request
 from .slot_memory import SlotMemory
+from .tiers import Tier
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -77,8 +78,8 @@ class SlotController(SlotMemory):
         just_loaded = self._loaded_from_cache == slot.version
         plan = self.plan(prompt, max_keep)
         self.branch_point = branch_point(self.kind, self.rules, plan)
-        if plan.entry is not None and plan.tier != "ram":
-            if plan.tier == "disk":
+        if plan.entry is not None and plan.tier != Tier.RAM:
+            if plan.tier == Tier.DISK:
                 self.counters.disk_hits += 1
             self.store.promote(plan.entry, plan.tier)
         if plan.park_live:

@@ -16,6 +16,7 @@ from .cache import CacheEntry, PromptCache
 from .checkpoint import StateBuffer
 from .disk_tier import DiskRecord, DiskTier
 from .policy import Hit, MemoryKind
+from .tiers import Tier
 
 if TYPE_CHECKING:
     from .shared_tier import SharedTier
@@ -27,7 +28,7 @@ class StoreEvents(Protocol):
     def allow_admission(self, entry: CacheEntry, n_bytes: int) -> bool:
         """Whether ``entry`` may enter RAM, adding ``n_bytes`` to its entries (``on_cache_alloc``)."""
 
-    def select_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = "ram") -> Sequence[Any]:
+    def select_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = Tier.RAM) -> Sequence[Any]:
         """Victims among LRU-ordered ``entries`` of ``tier`` for a shortfall of ``n_bytes``
         (``select_cache_victims``)."""
 
@@ -63,10 +64,10 @@ class TieredStore:
         restores), and only for prefixes longer than the local tiers hold (``max_keep`` as for the planner).
         """
         ram = self.ram.lookup(namespace, fingerprint, prompt)
-        hits = [Hit("ram", n_common, _fixed(entry)) for entry, n_common in ram]
+        hits = [Hit(Tier.RAM, n_common, _fixed(entry)) for entry, n_common in ram]
         if self.disk is not None:
             disk = self.disk
-            hits += [Hit("disk", n_common, _reader(disk, record, self.ram))
+            hits += [Hit(Tier.DISK, n_common, _reader(disk, record, self.ram))
                      for record, n_common in disk.lookup(namespace, fingerprint, prompt)]
         if self.shared is not None and kind is not None:
             limit = max(len(prompt) - 1, 0) if max_keep is None else max(0, min(len(prompt) - 1, max_keep))
@@ -90,10 +91,10 @@ class TieredStore:
             self.publish(entry)
         return admitted
 
-    def promote(self, entry: CacheEntry, tier: str = "disk") -> bool:
+    def promote(self, entry: CacheEntry, tier: str = Tier.DISK) -> bool:
         """Bring an entry fetched from a lower tier into RAM, through the same admission as any entry (the buffers
         it was read or fetched into are its buffers: nothing is copied again)."""
-        if tier == "shared" and self.shared is not None:
+        if tier == Tier.SHARED and self.shared is not None:
             self.shared.count_hit()
         return self.admit(entry, write_through=False)
 
@@ -138,15 +139,15 @@ class TieredStore:
         that namespace, and the shared tier's partition of that namespace and model ``fingerprint``; return the
         count per tier (``{"ram": n, "disk": n, "shared": n}``, tiers present only; ``None`` for a shared tier
         whose server could not be cleared)."""
-        tiers: dict[str, int | None] = {"ram": self.clear(namespace)}
+        tiers: dict[str, int | None] = {Tier.RAM.value: self.clear(namespace)}
         if self.disk is not None:
-            tiers["disk"] = self.disk.clear(namespace)
+            tiers[Tier.DISK.value] = self.disk.clear(namespace)
         if self.shared is not None:
-            tiers["shared"] = self.shared.forget(namespace, fingerprint)
+            tiers[Tier.SHARED.value] = self.shared.forget(namespace, fingerprint)
         return tiers
 
     def _disk_victims(self, records: Sequence[DiskRecord], n_bytes: int) -> Sequence[DiskRecord]:
-        return self.events.select_victims(records, n_bytes, "disk")
+        return self.events.select_victims(records, n_bytes, Tier.DISK)
 
     def _report(self, removed: list[tuple[CacheEntry, str]]) -> None:
         for entry, reason in removed:
