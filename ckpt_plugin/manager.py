@@ -28,13 +28,14 @@ from .hook_relay import HookRelay, ProjectPlugins
 from .hooks import PROJECT_NAME
 from .policy import Plan
 from .schedule import CheckpointRules, default_min_step
-from .shared_tier import SharedTier, shared_tier_for
+from .shared_tier import SharedTier
 from .slot import Backend, Slot
 from .slot_control import SlotController
 from .slot_files import erase_slot, restore_slot, save_slot
 from .counters import Cleared, Counters
 from .stats import describe, manager_stats
 from .store import TieredStore
+from .tier_registry import TIERS
 from .tiers import Tier
 
 __all__ = ["Backend", "CheckpointManager", "Counters", "DEFAULT_PLUGIN_NAME", "DefaultPlugin", "Slot"]
@@ -75,11 +76,12 @@ class CheckpointManager:
                 raise ValueError("every slot of an engine must be a sequence of the same model context")
         min_step = self.settings.checkpoint_min_step or default_min_step(self.kind)
         self.rules = CheckpointRules(self.settings.max_checkpoints, min_step)
+        settings = self.settings
         if cache is None:
-            cache = PromptCache(self.settings.cache_max_bytes, self.settings.cache_max_tokens)
-        if disk is None and self.settings.disk_dir is not None:
-            disk = DiskTier(self.settings.disk_dir, self.settings.disk_max_bytes)
-        self.store = TieredStore(cache, disk, self, shared or shared_tier_for(self.settings))
+            cache = TIERS.ram(None, settings.cache_max_bytes, settings.cache_max_tokens)
+        if disk is None and settings.disk_dir is not None:
+            disk = TIERS.disk(settings.disk_dir, settings.disk_max_bytes)
+        self.store = TieredStore(cache, disk, self, shared or TIERS.shared(settings))
         self.counters = Counters()
         self.plugins = ProjectPlugins(PROJECT_NAME)
         self.plugins.add_hookspecs(hooks)

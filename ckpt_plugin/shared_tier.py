@@ -24,14 +24,13 @@ writes queued before it write nothing (``DELETE /checkpoints``).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
 import weakref
 from collections import OrderedDict
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -54,9 +53,6 @@ from .shared_support import (
     redacted,
 )
 from .shared_writes import SharedWrites
-
-if TYPE_CHECKING:
-    from .config import CheckpointSettings
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -344,26 +340,3 @@ class SharedTier(SharedWrites):
         out.update(available=int(self._up), queue_depth=self.queue_depth, url=self.url,
                    lookup_seconds=self.lookup_latency.snapshot(), fetch_seconds=self.fetch_latency.snapshot())
         return out
-
-
-_TIERS: dict[tuple, SharedTier] = {}
-_TIERS_LOCK = threading.Lock()
-
-
-def shared_tier_for(settings: CheckpointSettings) -> SharedTier | None:
-    """The process's shared tier for ``settings.redis_url`` (one per server and options, shared by every manager:
-    one connection pool and one write-behind thread), or ``None`` without a URL."""
-    if settings.redis_url is None:
-        return None
-    url = settings.redis_url.get_secret_value()
-    key = (url, settings.redis_prefix, settings.redis_ttl, settings.redis_timeout, settings.redis_queue,
-           settings.redis_retry)
-    with _TIERS_LOCK:
-        tier = _TIERS.get(key)
-        if tier is None:
-            tier = _TIERS[key] = SharedTier(url, prefix=settings.redis_prefix, ttl=settings.redis_ttl,
-                                            timeout=settings.redis_timeout, queue=settings.redis_queue,
-                                            retry=settings.redis_retry)
-            # The lifespan shutdown parks every slot into the queue: write it before the process goes.
-            atexit.register(tier.close)
-        return tier

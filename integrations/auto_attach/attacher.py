@@ -28,12 +28,12 @@ from llama_cpp import Llama
 from ckpt_plugin import (
     CheckpointManager,
     CheckpointSettings,
-    DiskTier,
     PromptCache,
     UnsupportedHostError,
     attach,
     manager_of,
 )
+from ckpt_plugin.tier_registry import TIERS
 
 from . import startup
 from .logs import show_logs
@@ -69,7 +69,7 @@ class AutoAttacher:
         self._lock = threading.Lock()
         self._llamas: dict[str, weakref.ref[Llama]] = {}
         self._caches: dict[str, PromptCache] = {}
-        self._disk = DiskTier(settings.disk_dir, settings.disk_max_bytes) if settings.disk_dir else None
+        self._disk = TIERS.disk(settings.disk_dir, settings.disk_max_bytes) if settings.disk_dir else None
         if self._disk is not None:
             # The live conversations go to the disk tier too, so that the next run starts warm.
             atexit.register(self.flush)
@@ -120,7 +120,8 @@ class AutoAttacher:
         with self._lock:
             cache = self._caches.get(key)
             if cache is None:
-                cache = self._caches[key] = PromptCache(self.settings.cache_max_bytes, self.settings.cache_max_tokens)
+                cache = self._caches[key] = TIERS.ram(("ckpt-run", key), self.settings.cache_max_bytes,
+                                                      self.settings.cache_max_tokens)
             return cache
 
     def _register(self, label: str, llama: Llama) -> str:

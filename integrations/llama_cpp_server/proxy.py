@@ -16,6 +16,7 @@ from ckpt_plugin.hosts.llama_cpp.attach import open_llama
 from ckpt_plugin.speculative import enable_speculative
 from ckpt_plugin.config import ServeSettings
 from ckpt_plugin.disk_tier import DiskTier
+from ckpt_plugin.tier_registry import TIERS
 
 
 _CREATE_LOCK = threading.Lock()
@@ -64,7 +65,7 @@ class CheckpointLlamaProxy(LlamaProxy):
         self._caches: dict[str, PromptCache] = {}
         self._disk: DiskTier | None = None
         if settings.disk_dir is not None:
-            self._disk = DiskTier(settings.disk_dir, settings.disk_max_bytes)
+            self._disk = TIERS.disk(settings.disk_dir, settings.disk_max_bytes)
         super().__init__(models)
 
     def __call__(self, model: str | None = None) -> Any:
@@ -84,8 +85,10 @@ class CheckpointLlamaProxy(LlamaProxy):
         alias = settings.model_alias or settings.model
         cache = self._caches.get(alias)
         if cache is None:
-            cache = self._caches[alias] = PromptCache(
-                self.checkpoint_settings.cache_max_bytes, self.checkpoint_settings.cache_max_tokens
+            # Held here: the alias keeps its cache across model switches.
+            cache = self._caches[alias] = TIERS.ram(
+                ("llama_cpp.server", alias), self.checkpoint_settings.cache_max_bytes,
+                self.checkpoint_settings.cache_max_tokens,
             )
         # One disk tier for all models: its index is partitioned by model fingerprint.
         manager = attach(llama, self.checkpoint_settings, cache=cache, disk=self._disk)

@@ -4,8 +4,6 @@ states instead of copying them, and a ``BaseLlamaCache`` view of the prefix-inde
 from __future__ import annotations
 
 import os
-import threading
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -18,6 +16,7 @@ from ...checkpoint import freeze
 from ...config import CheckpointSettings
 from ...disk_tier import DiskTier
 from ...manager import CheckpointManager
+from ...tier_registry import TIERS
 
 _NO_SCORES = freeze(np.empty((0, 0), dtype=np.single))
 
@@ -84,12 +83,6 @@ class HostPromptCache(BaseLlamaCache):
             self.manager.admit(value.entry)
 
 
-_HOST_CACHE_TIERS: "weakref.WeakKeyDictionary[BaseLlamaCache, tuple[PromptCache, DiskTier | None]]" = (
-    weakref.WeakKeyDictionary()
-)
-_HOST_CACHE_TIERS_LOCK = threading.Lock()
-
-
 def _tiers_for_host_cache(
     cache: BaseLlamaCache, settings: CheckpointSettings
 ) -> tuple[PromptCache, DiskTier | None]:
@@ -99,15 +92,6 @@ def _tiers_for_host_cache(
     capacity_bytes)`` a disk tier in ``cache_dir`` of that budget, in front of a RAM cache of the manager's budget.
     Entries of different models stay apart through their fingerprints, as in the host's own cache.
     """
-    with _HOST_CACHE_TIERS_LOCK:
-        tiers = _HOST_CACHE_TIERS.get(cache)
-        if tiers is None:
-            capacity = int(getattr(cache, "capacity_bytes", settings.cache_max_bytes))
-            if isinstance(cache, LlamaDiskCache):
-                directory = os.path.join(cache.cache.directory, "ckpt_plugin")
-                tiers = (PromptCache(settings.cache_max_bytes, settings.cache_max_tokens),
-                         DiskTier(directory, capacity))
-            else:
-                tiers = (PromptCache(capacity, settings.cache_max_tokens), None)
-            _HOST_CACHE_TIERS[cache] = tiers
-        return tiers
+    capacity = int(getattr(cache, "capacity_bytes", settings.cache_max_bytes))
+    directory = os.path.join(cache.cache.directory, "ckpt_plugin") if isinstance(cache, LlamaDiskCache) else None
+    return TIERS.for_host_cache(cache, capacity, directory, settings)
