@@ -197,13 +197,12 @@ def assert_same_answer(got: list[int], want: list[int], gaps: list[float], what:
 # pytest fixtures
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], pathlib.Path]:
-    """``tiny_model(kind) -> Path``: a tiny GGUF model of ``kind``, built once per session."""
+def tiny_models_in(root: pathlib.Path) -> Callable[[str], pathlib.Path]:
+    """``get(kind) -> Path``: a tiny GGUF model of ``kind`` in ``root``, built on first use (the ``tiny_model``
+    fixture's, here and in the pytest plugin)."""
     from .tiny_models import build_tiny_model
 
     built: dict[str, pathlib.Path] = {}
-    root = tmp_path_factory.mktemp("tiny-models")
 
     def get(kind: str) -> pathlib.Path:
         if kind not in built:
@@ -211,6 +210,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], path
         return built[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], pathlib.Path]:
+    """``tiny_model(kind) -> Path``: a tiny GGUF model of ``kind``, built once per session."""
+    return tiny_models_in(tmp_path_factory.mktemp("tiny-models"))
 
 
 @pytest.fixture(name="fake_manager")

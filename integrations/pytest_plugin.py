@@ -27,17 +27,9 @@ if TYPE_CHECKING:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], pathlib.Path]:
     """``tiny_model(kind) -> Path``: a tiny GGUF model of ``kind``, built once per session."""
-    from ckpt_plugin.tiny_models import build_tiny_model
+    from ckpt_plugin.testing import tiny_models_in
 
-    built: dict[str, pathlib.Path] = {}
-    root = tmp_path_factory.mktemp("tiny-models")
-
-    def get(kind: str) -> pathlib.Path:
-        if kind not in built:
-            built[kind] = build_tiny_model(kind, root / f"{kind}.gguf")
-        return built[kind]
-
-    return get
+    return tiny_models_in(tmp_path_factory.mktemp("tiny-models"))
 
 
 @pytest.fixture(name="fake_manager")
