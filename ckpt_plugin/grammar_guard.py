@@ -72,7 +72,10 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
                            else grammar_problem_in_worker(model_path, text, is_schema))
         except Exception as exc:  # a model that cannot be read: reported, not a verdict on the grammar
             answer = OSError(str(exc))
-        _write(answers, answer)
+        try:
+            _write(answers, answer)
+        except OSError:  # the server went away (shutdown) while this answer was computed
+            return
 
 
 class GrammarGuard:

