@@ -162,7 +162,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 @dataclass(frozen=True)
 class Figure:
-    """A key figure of a benchmark: what it is, the measured value, and the goal from BENCH.md if there is one."""
+    """A key figure of a benchmark: what it is, the measured value, and the goal from bench/README.md if there is one."""
 
     name: str
     value: str
