@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .hooks import hookimpl
 from .manager import CheckpointManager
@@ -106,13 +106,17 @@ class SharedTierCollector:
                 for values in stats:
                     family.add_metric([values["url"]], float(values[name]))
                 yield family
-        for name, doc in (("lookup_seconds", "Time of a shared-tier lookup (index and manifests)"),
-                          ("fetch_seconds", "Time to fetch and check the blobs of a shared-tier entry")):
-            family = HistogramMetricFamily(f"ckpt_shared_{name}", doc, labels=["server"])
-            for values in stats:
-                buckets, total = values[name]
-                family.add_metric([values["url"]], buckets, total)
-            yield family
+        # Each tier's prometheus_client histograms, one family per name over every server.
+        for attribute in ("lookup_histogram", "fetch_histogram"):
+            merged: Metric | None = None
+            for tier in tiers.values():
+                for metric in getattr(tier, attribute).collect():
+                    if merged is None:
+                        merged = metric
+                    else:
+                        merged.samples.extend(metric.samples)
+            if merged is not None:
+                yield merged
 
 
 class RestoreLatency:

@@ -9,9 +9,10 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Sequence, TypeVar
+from typing import Iterator, TypeVar
 from urllib.parse import urlsplit
 
+from prometheus_client import Histogram
 
 from .checkpoint import StateBuffer
 from .shared_format import blob_digest
@@ -62,30 +63,26 @@ class SharedCounters:
     write_round_trips: int = 0
 
 
-class Latency:
-    """A latency histogram (cumulative buckets, as Prometheus exposes them)."""
+def latency_histogram(name: str, documentation: str) -> Histogram:
+    """A ``prometheus_client`` histogram of one shared tier's latencies (``ckpt_shared_<name>``), labelled by server
+    and in no registry: the server's collector (:class:`~ckpt_plugin.metrics.SharedTierCollector`) gathers the
+    histograms of every tier it serves."""
+    return Histogram(f"ckpt_shared_{name}", documentation, ["server"], registry=None, buckets=LATENCY_BUCKETS)
 
-    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.buckets = tuple(buckets)
-        self._counts = [0] * (len(self.buckets) + 1)
-        self._sum = 0.0
-        self._lock = threading.Lock()
 
-    def observe(self, seconds: float) -> None:
-        index = next((i for i, bound in enumerate(self.buckets) if seconds <= bound), len(self.buckets))
-        with self._lock:
-            self._counts[index] += 1
-            self._sum += seconds
-
-    def snapshot(self) -> tuple[list[tuple[str, int]], float]:
-        """``([(upper bound, cumulative count), ..., ("+Inf", total)], sum)``."""
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        cumulative, running = [], 0
-        for bound, count in zip([*map(str, self.buckets), "+Inf"], counts):
-            running += count
-            cumulative.append((bound, running))
-        return cumulative, total
+def histogram_snapshot(histogram: Histogram) -> tuple[list[tuple[str, int]], float]:
+    """``([(upper bound, cumulative count), ..., ("+Inf", total)], sum)`` of a one-server histogram (the JSON view of
+    ``stats()``)."""
+    buckets: list[tuple[str, int]] = []
+    total = 0.0
+    for metric in histogram.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_bucket"):
+                bound = sample.labels["le"]
+                buckets.append((bound if bound == "+Inf" else str(float(bound)), int(sample.value)))
+            elif sample.name.endswith("_sum"):
+                total += sample.value
+    return buckets, total
 
 
 class DigestCache:

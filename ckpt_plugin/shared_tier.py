@@ -47,9 +47,10 @@ from .shared_support import (
     TIER,
     WRITE_TIMEOUT,
     DigestCache,
-    Latency,
     Reads,
     SharedCounters,
+    histogram_snapshot,
+    latency_histogram,
     redacted,
 )
 from .shared_writes import SharedWrites
@@ -83,8 +84,11 @@ class SharedTier(SharedWrites):
         self.ttl = ttl
         self.block_tokens = BLOCK_TOKENS
         self.counters = SharedCounters()
-        self.lookup_latency = Latency()
-        self.fetch_latency = Latency()
+        self.lookup_histogram = latency_histogram("lookup_seconds", "Time of a shared-tier lookup (index and manifests)")
+        self.fetch_histogram = latency_histogram("fetch_seconds",
+                                                 "Time to fetch and check the blobs of a shared-tier entry")
+        self.lookup_latency = self.lookup_histogram.labels(server=self.url)
+        self.fetch_latency = self.fetch_histogram.labels(server=self.url)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._unreachable: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
         # No retries inside redis-py: a failure is a miss now and a probe later, never a request waiting.
@@ -338,5 +342,6 @@ class SharedTier(SharedWrites):
             out: dict[str, Any] = asdict(self.counters)
         out["write_drops"] += self._queue.drops  # dropped from a full queue, besides those refused while down
         out.update(available=int(self._up), queue_depth=self.queue_depth, url=self.url,
-                   lookup_seconds=self.lookup_latency.snapshot(), fetch_seconds=self.fetch_latency.snapshot())
+                   lookup_seconds=histogram_snapshot(self.lookup_histogram),
+                   fetch_seconds=histogram_snapshot(self.fetch_histogram))
         return out

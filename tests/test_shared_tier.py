@@ -223,3 +223,22 @@ def test_passwords_are_taken_as_redis_py_takes_them(tmp_path: Path) -> None:
         wrong = replica(f"redis://:wrong@127.0.0.1:{locked.port}/0", prefix="auth")
         assert continue_on(wrong, PROMPT + [7, 8]) == 0
         assert not wrong.store.shared.available and "wrong" not in wrong.store.shared.url
+
+
+def test_lookup_and_fetch_latencies_are_prometheus_histograms(server: RedisServer) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ckpt_plugin.metrics import SharedTierCollector
+
+    a = replica(server.url, prefix="latency")
+    run_prompt(a, PROMPT, 2)
+    published(a)
+    b = replica(server.url, prefix="latency")
+    continue_on(b, PROMPT + [7])
+    buckets, total = b.store.shared.stats()["lookup_seconds"]
+    assert buckets[-1][0] == "+Inf" and buckets[-1][1] >= 1 and total > 0
+    registry = CollectorRegistry()
+    registry.register(SharedTierCollector(lambda: {"b": b}))
+    text = generate_latest(registry).decode()
+    assert 'ckpt_shared_lookup_seconds_bucket{le="+Inf",server=' in text
+    assert "ckpt_shared_fetch_seconds_count" in text
