@@ -21,7 +21,9 @@ import numpy as np
 
 from .checkpoint import Checkpoint, StateBuffer, StateBufferPool
 from .eviction import Chooser, evict_until
+from .policy import Hit
 from .radix import RadixIndex
+from .tiers import Query, Tier
 
 DEFAULT_MAX_BYTES = 2 << 30
 """Default byte budget of a prompt cache: 2 GiB, llama-cpp-python's ``LlamaRAMCache`` default."""
@@ -175,6 +177,11 @@ class PromptCache:
         if index is None or index.size == 0:
             return []
         return index.lookup(prompt, max_candidates)
+
+    def find(self, query: Query) -> list[Hit[CacheEntry]]:
+        """:class:`~ckpt_plugin.tiers.CacheTier`: the entries :meth:`lookup` finds, as hits."""
+        return [Hit(Tier.RAM, n_common, _held(entry))
+                for entry, n_common in self.lookup(query.namespace, query.fingerprint, query.prompt)]
 
     @locked
     def pinned_only_bytes(self) -> int:
@@ -354,3 +361,7 @@ class PromptCache:
         if self._owns_pool:
             self.pool.trim(recycle_allowance(max_bytes))
         return [entry for entry, _ in self._evict_to_fit(None, select_victims)[1]]
+
+
+def _held(entry: CacheEntry) -> Callable[[], CacheEntry]:
+    return lambda: entry

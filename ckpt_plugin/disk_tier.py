@@ -19,7 +19,7 @@ import pathlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,8 +27,10 @@ from .cache import CacheEntry, locked
 from .checkpoint import StateBufferPool
 from .errors import CheckpointError, CorruptFileError
 from .eviction import Chooser, evict_until
+from .policy import Hit
 from .persist import read_entry, read_header, read_recorded_namespace, remove_stale_temp_files, write_entry
 from .radix import RadixIndex
+from .tiers import Query, Tier
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -164,6 +166,15 @@ class DiskTier:
         if index is None or index.size == 0:
             return []
         return index.lookup(prompt)
+
+    def find(self, query: Query) -> list[Hit[CacheEntry]]:
+        """:class:`~ckpt_plugin.tiers.CacheTier`: the records :meth:`lookup` finds, as hits whose ``fetch`` reads the
+        file into ``query.pool`` (:meth:`load`)."""
+        return [Hit(Tier.DISK, n_common, self._reader(record, query.pool))
+                for record, n_common in self.lookup(query.namespace, query.fingerprint, query.prompt)]
+
+    def _reader(self, record: DiskRecord, pool: StateBufferPool | None) -> Callable[[], CacheEntry | None]:
+        return lambda: self.load(record, pool)
 
     @locked
     def load(self, record: DiskRecord, pool: StateBufferPool | None = None) -> CacheEntry | None:

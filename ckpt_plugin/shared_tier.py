@@ -39,6 +39,7 @@ from .checkpoint import StateBuffer
 from .errors import CheckpointError, ConfigError
 from .policy import Hit, MemoryKind, Reuse, best_reuse
 from .shared_format import BLOCK_TOKENS, MAX_LOOKUP_BLOCKS, Manifest, Partition, check_blob, decode_manifest, parse_entry_id
+from .tiers import Query
 from .write_behind import Job, WriteBehind
 from .shared_support import (
     _T,
@@ -172,6 +173,13 @@ class SharedTier(SharedWrites):
         if partition is None:
             partition = self._partitions[key] = Partition(self.prefix, fingerprint, namespace)
         return partition
+
+    def find(self, query: Query) -> list[Hit[CacheEntry]]:
+        """:class:`~ckpt_plugin.tiers.CacheTier`: :meth:`lookup` for ``query``; asked only with a memory kind (a
+        fetch brings only what a plan of that kind restores)."""
+        if query.kind is None:
+            return []
+        return self.lookup(query.namespace, query.fingerprint, query.prompt, query.kind, query.limit, query.floor)
 
     def lookup(self, namespace: str, fingerprint: str, prompt: np.ndarray, kind: MemoryKind, limit: int,
                floor: int = 0) -> list[Hit[CacheEntry]]:

@@ -8,7 +8,7 @@ object over them, with its own events.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from .cache import CacheEntry, PromptCache
 from .checkpoint import StateBuffer
 from .disk_tier import DiskRecord, DiskTier
 from .policy import Hit, MemoryKind
-from .tiers import Tier
+from .tiers import CacheTier, Query, Tier
 
 if TYPE_CHECKING:
     from .shared_tier import SharedTier
@@ -63,17 +63,17 @@ class TieredStore:
         The shared tier is asked only with the memory ``kind`` (its fetch brings only what a plan of that kind
         restores), and only for prefixes longer than the local tiers hold (``max_keep`` as for the planner).
         """
-        ram = self.ram.lookup(namespace, fingerprint, prompt)
-        hits = [Hit(Tier.RAM, n_common, _fixed(entry)) for entry, n_common in ram]
-        if self.disk is not None:
-            disk = self.disk
-            hits += [Hit(Tier.DISK, n_common, _reader(disk, record, self.ram))
-                     for record, n_common in disk.lookup(namespace, fingerprint, prompt)]
-        if self.shared is not None and kind is not None:
-            limit = max(len(prompt) - 1, 0) if max_keep is None else max(0, min(len(prompt) - 1, max_keep))
-            local = min(max((hit.n_common for hit in hits), default=0), limit)
-            hits += self.shared.lookup(namespace, fingerprint, prompt, kind, limit, local)
+        limit = max(len(prompt) - 1, 0) if max_keep is None else max(0, min(len(prompt) - 1, max_keep))
+        query = Query(namespace, fingerprint, prompt, kind, limit, self.ram.pool)
+        hits: list[Hit[CacheEntry]] = []
+        for tier in self.tiers():
+            offered = min(max((hit.n_common for hit in hits), default=0), limit)
+            hits += tier.find(query.offering(offered))
         return hits
+
+    def tiers(self) -> list[CacheTier]:
+        """The tiers present, fastest first: RAM, disk, shared."""
+        return [tier for tier in (self.ram, self.disk, self.shared) if tier is not None]
 
     def admit(self, entry: CacheEntry, write_through: bool = True) -> bool:
         """Offer ``entry`` to RAM (through the owner's admission and victim selection; evictions are reported), and
@@ -156,12 +156,3 @@ class TieredStore:
 
 class _Queued:
     """Holds the pin of an entry waiting for the shared tier's write-behind thread."""
-
-
-def _fixed(entry: CacheEntry) -> Callable[[], CacheEntry]:
-    return lambda: entry
-
-
-def _reader(disk: DiskTier, record: DiskRecord, ram: PromptCache) -> Callable[[], CacheEntry | None]:
-    # Read into the RAM tier's pool: the entry is promoted there, and its buffers' memory recycled within its budget.
-    return lambda: disk.load(record, ram.pool)

@@ -1,8 +1,22 @@
-"""The tiers a cache entry can live in, by name."""
+"""The tiers a cache entry can live in: their names, and the one way every tier is asked for candidates.
+
+RAM (:class:`~ckpt_plugin.cache.PromptCache`), disk (:class:`~ckpt_plugin.disk_tier.DiskTier`) and Redis
+(:class:`~ckpt_plugin.shared_tier.SharedTier`) implement :class:`CacheTier`: ``find(query)`` returns
+:class:`~ckpt_plugin.policy.Hit` objects whose ``fetch`` reads the entry only if the planner picks it. The store asks
+them in order, each with what the faster ones already offer (``floor``).
+"""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .checkpoint import StateBufferPool
+    from .policy import Hit, MemoryKind
 
 
 class Tier(str, enum.Enum):
@@ -14,3 +28,37 @@ class Tier(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class Query:
+    """What a tier is asked for a prompt.
+
+    :ivar namespace: The cache partition of the request.
+    :ivar fingerprint: The model and context states must belong to.
+    :ivar prompt: The prompt's tokens.
+    :ivar kind: The memory kind (a tier may fetch only what a plan of that kind restores); ``None`` when unknown.
+    :ivar limit: Tokens a plan may keep at most (one prompt token is always evaluated).
+    :ivar pool: Where a slower tier reads an entry's buffers (the RAM tier's pool: the entry is promoted there).
+    :ivar floor: Tokens the faster tiers already offer: a tier may skip what cannot beat it.
+    """
+
+    namespace: str
+    fingerprint: str
+    prompt: np.ndarray
+    kind: MemoryKind | None
+    limit: int
+    pool: StateBufferPool | None = None
+    floor: int = 0
+
+    def offering(self, floor: int) -> Query:
+        """The same query for a slower tier, with what the faster ones offer."""
+        return replace(self, floor=floor)
+
+
+class CacheTier(Protocol):
+    """A tier the store asks for candidates."""
+
+    def find(self, query: Query) -> list[Hit[Any]]:
+        """Candidates for ``query.prompt`` in ``query``'s partition (hits of cache entries), nothing fetched until a
+        hit's ``fetch``."""
