@@ -13,8 +13,8 @@ Quick start::
 
 from __future__ import annotations
 
-from .cache import DEFAULT_MAX_BYTES, CacheEntry, PromptCache, RadixIndex
-from .checkpoint import Checkpoint, ExtraState, StateBuffer, StateBufferPool
+from .cache import DEFAULT_MAX_BYTES, CacheEntry, PromptCache
+from .checkpoint import Checkpoint, ExtraState
 from .config import CheckpointSettings, ServeSettings
 from .disk_tier import DiskTier
 from .errors import (
@@ -31,12 +31,12 @@ from .errors import (
     UnsafePathError,
     UnsupportedHostError,
 )
-from .persist import decode_entry, encode_entry, read_entry, safe_path, write_entry
 from .hooks import PROJECT_NAME, hookimpl, hookspec
-from .manager import Backend, CheckpointManager, Counters, Slot
+from .manager import Backend, CheckpointManager, Slot
+from .persist import read_entry, write_entry
 from .policy import MemoryKind
-from .schedule import CheckpointRules
 from .publishing import publish
+from .schedule import CheckpointRules
 from .shared_tier import SharedTier
 
 __version__ = "0.1.0"
@@ -48,7 +48,6 @@ _LAZY = {
     "manager_of": "hosts.llama_cpp.attach",
     "SharedLlamaState": "hosts.llama_cpp.host_cache",
     "HostPromptCache": "hosts.llama_cpp.host_cache",
-    "LlamaBackend": "hosts.llama_cpp.backend",
     "SequenceContext": "hosts.llama_cpp.sequences",
     "DraftModel": "speculative",
     "DraftStatePlugin": "speculative",
@@ -56,9 +55,6 @@ _LAZY = {
     "NgramStatePlugin": "speculative",
     "enable_speculative": "speculative",
     "CheckpointMiddleware": "middleware",
-    "BodyLimitMiddleware": "body_limit",
-    "CheckpointRoutes": "routes",
-    "Tenants": "tenants",
 }
 
 
@@ -76,20 +72,16 @@ __all__ = [
     "__version__",
     "attach",
     "Backend",
-    "BodyLimitMiddleware",
     "CacheEntry",
     "CaptureError",
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointMiddleware",
-    "CheckpointRoutes",
     "CheckpointRules",
     "CheckpointSettings",
     "ConfigError",
     "CorruptFileError",
-    "Counters",
-    "decode_entry",
     "DEFAULT_MAX_BYTES",
     "detach",
     "DiskTier",
@@ -97,14 +89,12 @@ __all__ = [
     "DraftStatePlugin",
     "EmptySlotError",
     "enable_speculative",
-    "encode_entry",
     "ExtraState",
     "ForeignNamespaceError",
     "hookimpl",
     "hookspec",
     "HostPromptCache",
     "IncompatibleStateError",
-    "LlamaBackend",
     "manager_of",
     "MemoryKind",
     "NgramDraft",
@@ -113,19 +103,14 @@ __all__ = [
     "PROJECT_NAME",
     "PromptCache",
     "publish",
-    "RadixIndex",
     "read_entry",
-    "safe_path",
     "SequenceContext",
     "ServeSettings",
     "SharedLlamaState",
     "SharedTier",
     "Slot",
     "SlotFileNotFoundError",
-    "StateBuffer",
-    "StateBufferPool",
     "StateRestoreError",
-    "Tenants",
     "UnsafePathError",
     "UnsupportedHostError",
     "write_entry",
