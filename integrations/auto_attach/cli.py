@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from ckpt_plugin.config import CheckpointSettings, ServeSettings, setting_variables, unknown_variables
 from ckpt_plugin.errors import ConfigError
 
+from ..settings_flags import add_settings_flags, flag_name, plain_text
 from .settings import RunSettings, check_llama_overrides, load_checkpoint_settings, load_run_settings, parse_override
 
 BOOT_DIR = pathlib.Path(__file__).with_name("boot")
@@ -36,10 +37,6 @@ _RUN_FLAGS = {
 
 def _env_name(field: str) -> str:
     return f"CKPT_{field.upper()}"
-
-
-def _flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,7 +59,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="ckpt-run",
-        description=__doc__.split("\n\n")[0].strip() if __doc__ else None,
+        description=plain_text(__doc__.split("\n\n")[0].strip()) if __doc__ else None,
         epilog="Each option is also read from its CKPT_* variable (e.g. --cache-max-bytes from "
         "CKPT_CACHE_MAX_BYTES); an option wins over its variable, a variable over the --config file.",
     )
@@ -76,9 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "swa_full=false (repeatable; CKPT_LLAMA_OVERRIDES as a JSON object).",
     )
     checkpoints = parser.add_argument_group("checkpoint settings (ckpt_plugin.attach keywords)")
-    for field, info in CheckpointSettings.model_fields.items():
-        checkpoints.add_argument(_flag(field), dest=f"ckpt_{field}", metavar="VALUE",
-                                 help=f"{info.description} ({_env_name(field)})")
+    # The values are checked here but passed on as given, as CKPT_* variables.
+    add_settings_flags(checkpoints, CheckpointSettings, keep_text=True)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="The program to run, e.g. -- python app.py")
     return parser
 
@@ -123,7 +119,7 @@ def labels(args: argparse.Namespace | None, environ: dict[str, str]) -> dict[str
     names: dict[str, str] = {}
     for field in CheckpointSettings.model_fields:
         if args is not None and getattr(args, f"ckpt_{field}", None) is not None:
-            names[field] = _flag(field)
+            names[field] = flag_name(field)
         elif _env_name(field) in given:
             names[field] = _env_name(field)
         elif config_file:

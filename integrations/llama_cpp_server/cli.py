@@ -2,9 +2,10 @@
 
 Takes every ``llama_cpp.server`` setting, spelled as it spells them (``--model``, ``--n_ctx``, ``--host``,
 ``--port``, ``--config_file``, environment variables such as ``MODEL`` or ``CONFIG_FILE``), plus the checkpoint
-settings: ``--checkpoint-*`` flags, a ``checkpoints`` section in the JSON/YAML config file, or ``CKPT_*``
-environment variables (flags win over the file, the file over the environment). With no model, it serves the
-embedded default (Gemma-3-270M).
+settings: ``--<setting>`` flags (``--cache-max-bytes``, as ckpt-run spells them; the former ``--checkpoint-*``
+names still work), a ``checkpoints`` section in the JSON/YAML config file, or ``CKPT_*`` environment variables
+(flags win over the file, the file over the environment). With no model, it serves the embedded default
+(Gemma-3-270M).
 """
 
 from __future__ import annotations
@@ -17,21 +18,21 @@ import json
 import os
 import socket
 import sys
-import typing
 from typing import Any, NoReturn, Sequence
 
 from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
 from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings, Settings
 from pydantic import ValidationError
 
-from ckpt_plugin.config import ServeSettings, parse_size, setting_variables, unknown_variables
+from ckpt_plugin.config import ServeSettings, setting_variables, unknown_variables
 from ckpt_plugin.default_model import default_model_path
 from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT
 
+from ..settings_flags import add_settings_flags, flag_name, given_flags, plain_text
 from .model_checks import check_chat_formats, check_model_file, templateless_models
 
-CHECKPOINT_FLAGS: dict[str, str] = {
+CHECKPOINT_ALIASES: dict[str, str] = {
     "--checkpoint-budget": "cache_max_bytes",
     "--checkpoint-budget-tokens": "cache_max_tokens",
     "--checkpoint-per-slot": "max_checkpoints",
@@ -62,37 +63,8 @@ CHECKPOINT_FLAGS: dict[str, str] = {
     "--checkpoint-request-max-tokens": "request_max_tokens",
     "--swa_full": "swa_full",
 }
-
-
-def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _flag_type(field_name: str) -> dict[str, Any]:
-    annotation = ServeSettings.model_fields[field_name].annotation
-    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    base = args[0]
-    if field_name in ("cache_max_bytes", "disk_max_bytes", "max_body_bytes"):
-        return {"type": _size, "metavar": "SIZE"}
-    if field_name in ("admin_key", "redis_url"):
-        return {"type": str}
-    if typing.get_origin(annotation) is typing.Literal:
-        return {"choices": list(typing.get_args(annotation))}
-    if base is bool:
-        return {"type": _bool}
-    return {"type": base if base in (int, float, str) else str}
+"""ckpt-serve's former names of the checkpoint flags (old name -> field), kept as hidden aliases of the canonical
+``--<field>`` flags (docs/server.md, "Checkpoint settings")."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,13 +92,11 @@ def _suggest_flags(words: list[str], parser: argparse.ArgumentParser) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ckpt-serve", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="ckpt-serve", description=plain_text(__doc__.splitlines()[0]))
     add_args_from_model(parser, Settings)
     parser.add_argument("--config_file", type=str, help="Path to a JSON or YAML config file to load.")
-    group = parser.add_argument_group("checkpoints")
-    for flag, field_name in CHECKPOINT_FLAGS.items():
-        description = ServeSettings.model_fields[field_name].description
-        group.add_argument(flag, dest=f"ckpt_{field_name}", help=description, **_flag_type(field_name))
+    group = parser.add_argument_group("checkpoint settings (also the config file's checkpoints section, CKPT_*)")
+    add_settings_flags(group, ServeSettings, aliases=CHECKPOINT_ALIASES)
     return parser
 
 
@@ -176,10 +146,14 @@ def _problem(err: Any) -> str:
     return message
 
 
-def _checkpoint_source(field: str, flags: dict[str, Any], section: dict[str, Any], config_file: str | None) -> str:
-    """Where the checkpoint setting ``field`` came from: its flag, the config file's section or its variable."""
+def _checkpoint_source(
+    field: str, flags: dict[str, Any], section: dict[str, Any], config_file: str | None,
+    typed: dict[str, str] | None = None,
+) -> str:
+    """Where the checkpoint setting ``field`` came from: its flag (as typed: canonical or alias), the config file's
+    section or its variable."""
     if field in flags:
-        return next((flag for flag, name in CHECKPOINT_FLAGS.items() if name == field), field)
+        return (typed or {}).get(f"ckpt_{field}") or flag_name(field)
     if field in section:
         return f"config file {config_file}: checkpoints.{field}"
     variable = f"CKPT_{field.upper()}"
@@ -189,7 +163,8 @@ def _checkpoint_source(field: str, flags: dict[str, Any], section: dict[str, Any
 
 
 def _checkpoint_settings(
-    section: dict[str, Any], flags: dict[str, Any], config_file: str | None = None
+    section: dict[str, Any], flags: dict[str, Any], config_file: str | None = None,
+    typed: dict[str, str] | None = None,
 ) -> ServeSettings:
     try:
         return ServeSettings(**{**section, **flags})
@@ -200,7 +175,7 @@ def _checkpoint_settings(
             if not field:
                 problems.append(f"checkpoints: {_problem(err)}")
                 continue
-            source = _checkpoint_source(field, flags, section, config_file)
+            source = _checkpoint_source(field, flags, section, config_file, typed)
             if err["type"] == "extra_forbidden":
                 close = difflib.get_close_matches(field, list(ServeSettings.model_fields), n=1)
                 problems.append(f"{source}: unknown setting" + (f"; did you mean {close[0]}?" if close else ""))
@@ -289,9 +264,10 @@ def _load_settings(argv: Sequence[str] | None = None) -> LoadedSettings:
             format_sources = ["--chat_format" if args.chat_format is not None else "CHAT_FORMAT"]
     except ValidationError as exc:
         raise ConfigError(_settings_problems(exc, "invalid server or model settings")) from exc
-    checkpoints = _checkpoint_settings(section, flags, config_file)
+    typed = given_flags(args)
+    checkpoints = _checkpoint_settings(section, flags, config_file, typed)
     checkpoint_sources = {
-        field: _checkpoint_source(field, flags, section, config_file) for field in checkpoints.model_fields_set
+        field: _checkpoint_source(field, flags, section, config_file, typed) for field in checkpoints.model_fields_set
     }
     return LoadedSettings(server, [with_serve_defaults(model, embedded) for model in models], checkpoints, sources,
                           checkpoint_sources, format_sources)
