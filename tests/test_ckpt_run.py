@@ -184,3 +184,30 @@ def test_ckpt_run_on_gunicorn_workers(app_dir: pathlib.Path, tiny_model: Callabl
     with serve(command, app_dir, url, tiny_model("llama")):
         answers = [httpx.get(url, timeout=30).json() for _ in range(6)]
         assert all(answer["attached"] for answer in answers)
+
+
+STATS_PROGRAM = """
+import sys
+from llama_cpp import Llama
+
+llama = Llama(sys.argv[1], n_ctx=256, n_threads=2, verbose=False)
+prompt = [1, *range(3, 80)]
+llama.create_completion(prompt, max_tokens=2, temperature=0)
+llama.create_completion(prompt + [90, 91], max_tokens=2, temperature=0)
+print("{}")
+"""
+
+
+def test_ckpt_run_prints_the_reuse_summary_at_exit(tmp_path: pathlib.Path,
+                                                  tiny_model: Callable[[str], pathlib.Path]) -> None:
+    (tmp_path / "two_turns.py").write_text(STATS_PROGRAM)
+    done = subprocess.run(["ckpt-run", "--stats-at-exit", "--", "python", "two_turns.py", str(tiny_model("llama"))],
+                          cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ckpt_plugin: ")]
+    assert len(lines) == 1, done.stderr
+    reused = int(lines[0].split(" prompts, ")[1].split(" tokens reused")[0].replace(",", ""))
+    assert " 2 prompts, " in lines[0] and reused >= 77  # the second turn reused the first one's prompt
+    quiet = subprocess.run(["ckpt-run", "--", "python", "two_turns.py", str(tiny_model("llama"))],
+                           cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=120)
+    assert "ckpt_plugin: " not in quiet.stderr

@@ -18,6 +18,7 @@ import atexit
 import inspect
 import logging
 import os
+import sys
 import threading
 import weakref
 from typing import Any, Callable
@@ -183,7 +184,25 @@ def _attacher_from_environment() -> AutoAttacher:
     attacher = AutoAttacher(load_checkpoint_settings(run.config_file), run.llama_overrides)
     if run.metrics_port is not None:
         attacher.metrics = MetricsServer(run.metrics_port, run.metrics_host, attacher.managers)
+    if run.stats_at_exit:
+        atexit.register(print_summary, attacher)
     return attacher
+
+
+def summary(label: str, stats: dict[str, Any]) -> str:
+    """One line of what the plugin did for one ``Llama``: prompts, tokens reused (not evaluated) and evaluated, hits."""
+    reused, evaluated = int(stats["tokens_reused"]), int(stats["tokens_evaluated"])
+    total = reused + evaluated
+    share = f" ({100 * reused / total:.0f}% reused)" if total else ""
+    return (f"ckpt_plugin: {label}: {stats['prompts']} prompts, {reused:,} tokens reused and {evaluated:,} evaluated"
+            f"{share}, {stats['cache_hits']} cache hits, {stats['checkpoints_created']} checkpoints taken, "
+            f"{stats['checkpoints_restored']} restored")
+
+
+def print_summary(attacher: AutoAttacher) -> None:
+    """Print :func:`summary` of every attached ``Llama`` to stderr (``--stats-at-exit``, at interpreter exit)."""
+    for label, manager in attacher.managers().items():
+        print(summary(label, manager.stats()), file=sys.stderr)
 
 
 def install(

@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
         run.add_argument(flag, dest=field, metavar=field.split("_")[-1].upper(),
                          help=f"{RunSettings.model_fields[field].description} ({_env_name(field)})")
     run.add_argument(
+        "--stats-at-exit", action="store_const", const="1", dest="stats_at_exit",
+        help=f"{RunSettings.model_fields['stats_at_exit'].description} ({_env_name('stats_at_exit')})",
+    )
+    run.add_argument(
         "--llama", action="append", default=[], metavar="NAME=VALUE", dest="llama",
         help="A llama_cpp.Llama constructor argument that replaces what the program passes, e.g. n_batch=512 or "
         "swa_full=false (repeatable; CKPT_LLAMA_OVERRIDES as a JSON object).",
@@ -87,6 +91,8 @@ def child_environment(args: argparse.Namespace, environ: dict[str, str]) -> dict
         value = getattr(args, field)
         if value is not None:
             env[_env_name(field)] = value
+    if args.stats_at_exit is not None:
+        env[_env_name("stats_at_exit")] = args.stats_at_exit
     if args.llama:
         inherited = _inherited_overrides(env)
         env["CKPT_LLAMA_OVERRIDES"] = json.dumps({**inherited, **dict(map(parse_override, args.llama))})

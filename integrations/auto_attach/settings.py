@@ -50,6 +50,8 @@ class RunSettings(BaseSettings):
     log_level: LogLevel | None = Field(
         None, description="Print ckpt_plugin's log records of this level and above to stderr."
     )
+    stats_at_exit: bool = Field(
+        False, description="Print each attached Llama's reuse summary to stderr when the program ends.")
     llama_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Llama constructor arguments that replace what the program passes, as a JSON object "
