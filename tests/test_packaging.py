@@ -148,7 +148,7 @@ def test_the_installed_wheel_serves_and_attaches(dists: dict[str, pathlib.Path],
     assert (site / "ckpt_plugin_autoattach.pth").read_text() == _build_hooks().PTH_LINE
 
     serve = run([venv / "bin" / "ckpt-serve", "--help"], work)
-    assert "--checkpoint-budget" in serve.stdout
+    assert "--cache-max-bytes" in serve.stdout
 
     script = (
         "import json, sys\n"
