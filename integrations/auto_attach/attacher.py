@@ -36,7 +36,7 @@ from ckpt_plugin import (
 )
 from ckpt_plugin.tier_registry import TIERS
 
-from . import startup
+from .llama_hook import enabled, wrap_llama_init
 from .logs import show_logs
 from .metrics_server import MetricsServer
 from .settings import check_llama_overrides, load_checkpoint_settings, load_run_settings
@@ -151,7 +151,7 @@ class AutoAttacher:
 
 
 _current: AutoAttacher | None = None
-_from_environment = startup.enabled()  # made on the first Llama, unless install() or uninstall() came first
+_from_environment = enabled()  # made on the first Llama, unless install() or uninstall() came first
 _current_lock = threading.Lock()
 
 
@@ -227,7 +227,7 @@ def install(
     attacher = AutoAttacher(CheckpointSettings(**{**base, **overrides}), llama_overrides)
     if metrics_port is not None:
         attacher.metrics = MetricsServer(metrics_port, metrics_host, attacher.managers)
-    startup.wrap_llama_init(llama_cpp)
+    wrap_llama_init(llama_cpp, construct)
     with _current_lock:
         _current, _from_environment = attacher, False
     return attacher

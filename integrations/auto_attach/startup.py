@@ -1,4 +1,4 @@
-"""The one wrapper of ``Llama.__init__``, and what turns it on at interpreter start.
+"""What turns auto-attach on at interpreter start (the wrapper of ``Llama.__init__`` itself: :mod:`.llama_hook`).
 
 Run at interpreter start (the installed ``.pth`` file, or ckpt-run's ``sitecustomize``) when ``CKPT_AUTO_ATTACH``
 is set, :func:`start` registers an import hook that wraps ``Llama.__init__`` as soon as ``llama_cpp`` is imported.
@@ -9,21 +9,15 @@ its own import. A process that never creates a ``Llama`` pays for ``wrapt`` only
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
 from types import ModuleType
 from typing import Any, Callable
 
-_TRUE = ("1", "true", "yes", "on", "t", "y")
+from .llama_hook import enabled, wrap_llama_init
+
+__all__ = ["enabled", "start", "start_quietly"]
+
 _started = False
-_wrapped = False
-_wrap_lock = threading.Lock()
-
-
-def enabled(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> bool:
-    """Whether ``CKPT_AUTO_ATTACH`` asks for auto-attach (1, true, yes or on)."""
-    return environ.get("CKPT_AUTO_ATTACH", "").strip().lower() in _TRUE
 
 
 def start() -> None:
@@ -35,7 +29,7 @@ def start() -> None:
     import wrapt
 
     # On the package, not llama_cpp.llama: the hook must run once llama_cpp's __init__ has finished.
-    wrapt.register_post_import_hook(wrap_llama_init, "llama_cpp")
+    wrapt.register_post_import_hook(_wrap_on_import, "llama_cpp")
 
 
 def start_quietly() -> None:
@@ -46,19 +40,12 @@ def start_quietly() -> None:
         print(f"ckpt_plugin: auto-attach is off: {exc}", file=sys.stderr)
 
 
-def wrap_llama_init(llama_cpp: ModuleType) -> None:
-    """Wrap ``llama_cpp.Llama.__init__`` with :func:`_init` (once per process)."""
-    global _wrapped
-    with _wrap_lock:
-        if _wrapped:
-            return
-        import wrapt
-
-        wrapt.wrap_function_wrapper(llama_cpp.llama, "Llama.__init__", _init)
-        _wrapped = True
-
-
-def _init(wrapped: Callable[..., None], instance: Any, args: tuple, kwargs: dict) -> None:
+def _construct_lazily(wrapped: Callable[..., None], instance: Any, args: tuple, kwargs: dict) -> None:
+    # ckpt_plugin is imported with the first Llama, not when llama_cpp is: ckpt_plugin imports llama_cpp itself.
     from .attacher import construct
 
     construct(wrapped, instance, args, kwargs)
+
+
+def _wrap_on_import(llama_cpp: ModuleType) -> None:
+    wrap_llama_init(llama_cpp, _construct_lazily)
