@@ -20,7 +20,8 @@ the ``ckpt_tokens_evaluated_total`` counter for ``ckpt-serve``; for every llama-
 ``timings`` of the response for ``llama-server``. Peak resident memory: ``VmHWM`` of the server process.
 
 Run: ``.venv/bin/python bench/chat.py`` (4 users x 4 turns), ``--quick`` (2 x 3), ``--users``, ``--turns``,
-``--max-tokens``, ``--json OUT``, ``--markdown OUT``, ``--plot PNG``.
+``--max-tokens``, ``--json OUT``, ``--markdown OUT``, ``--plot PNG``. ``--concurrent 8,16``: the concurrent workload
+instead (users at once, bench/concurrent_chat.py).
 """
 
 from __future__ import annotations
@@ -1055,6 +1056,17 @@ def as_report(results: dict, text: str) -> Report:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--concurrent" in argv:
+        # The concurrent workload (users at once, not round-robin): bench/concurrent_chat.py.
+        import concurrent_chat
+
+        at = argv.index("--concurrent")
+        given = at + 1 < len(argv) and not argv[at + 1].startswith("--")
+        users = argv[at + 1] if given else "8,16"
+        rest = argv[:at] + argv[at + 1 + int(given):]
+        concurrent_chat.main(["--users", users, *rest])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, default=None, help=f"users (default {DEFAULT_USERS})")
     parser.add_argument("--turns", type=int, default=None, help=f"turns per user (default {DEFAULT_TURNS})")

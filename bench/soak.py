@@ -1,7 +1,7 @@
 """Soak: concurrent real clients against ckpt-serve, then llama_cpp.server alone, under the same mix of traffic.
 
     python bench/soak.py --minutes 10 --clients 16 [--model PATH] [--budget 256MiB] [--out docs/soak.json]
-                         [--plot docs/soak-rss.png] [--no-plain]
+                         [--plot docs/soak-rss.png] [--no-plain] [--parallel N]
 
 Each client loops over a mix: multi-turn chats (checked against the answers the same server gave the same request
 earlier, greedy), branches (an earlier turn edited), streams dropped mid-way (20%), malformed bodies (5%), slot saves
@@ -299,6 +299,9 @@ def main() -> None:
     parser.add_argument("--budget", default="256MiB")
     parser.add_argument("--hang-seconds", type=float, default=120.0)
     parser.add_argument("--no-plain", action="store_true", help="skip the llama_cpp.server run side by side")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="ckpt-serve's slots (--parallel N); at N > 1 a greedy answer may differ from the same "
+                        "server's earlier one at a near tie (batch numerics), which counts as a wrong answer")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--plot", type=pathlib.Path, default=None)
     parser.add_argument("--markdown", type=pathlib.Path, default=None,
@@ -316,7 +319,7 @@ def main() -> None:
     common = ["--model", args.model, "--n_ctx", "4096", "--n_threads", "2"]
     slots = tempfile.mkdtemp(prefix="soak-slots-")
     plugin = soak_server(common + ["--checkpoint-budget", args.budget, "--slot-save-path", slots,
-                                   "--checkpoint-admin", "true"], args, plain=False)
+                                   "--checkpoint-admin", "true", "--parallel", str(args.parallel)], args, plain=False)
     plain = None if args.no_plain else soak_server(common, args, plain=True)
     ours = plugin["figures"]
     summary: dict[str, Any] = {"minutes": args.minutes, "clients": args.clients, "budget_bytes": budget,

@@ -23,7 +23,7 @@ from .checkpoint import Checkpoint, StateBuffer, StateBufferPool
 from .eviction import Chooser, evict_until
 from .policy import Hit
 from .radix import RadixIndex
-from .tiers import Query, Tier
+from .tiers import Admission, Query, Tier
 
 DEFAULT_MAX_BYTES = 2 << 30
 """Default byte budget of a prompt cache: 2 GiB, llama-cpp-python's ``LlamaRAMCache`` default."""
@@ -294,6 +294,17 @@ class PromptCache:
                 self.remove(ancestor)
                 removed.append((ancestor, "replaced"))
         return True, removed
+
+    def admit(self, entry: CacheEntry, admission: Admission) -> bool:
+        """:class:`~ckpt_plugin.tiers.CacheTier`: :meth:`insert` through ``admission``'s veto and victim selection;
+        the entries it removed are reported to ``admission.evicted`` (outside the cache's lock)."""
+        admitted, removed = self.insert(
+            entry, admit=lambda n_bytes: admission.allow(entry, n_bytes),
+            select_victims=lambda candidates, n_bytes: admission.select_victims(candidates, n_bytes, Tier.RAM),
+        )
+        for gone, reason in removed:
+            admission.evicted(gone, reason)
+        return admitted
 
     def _evict_to_fit(
         self, entry: CacheEntry | None, select_victims: Victims | None

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import collections
 import mmap
+import re
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from types import MappingProxyType
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -73,10 +75,9 @@ class StateBufferPool:
                 backing = _map(n_bytes)
             except OSError as exc:
                 raise MemoryError(f"cannot map {n_bytes} bytes for a state buffer: {exc}") from exc
-            self.mapped += 1
+            with self._lock:  # slots of one engine allocate from several threads: no count lost
+                self.mapped += 1
             self._want_spare(n_bytes + n_bytes // 8)  # the next capture of this kind is usually a little larger
-        else:
-            self.reused += 1
         buffer = np.frombuffer(backing, dtype=np.uint8, count=n_bytes)
         # buffer.base is the memoryview (numpy's) every derived array keeps alive: when it dies, nothing can see the
         # memory. A plain weak reference rather than weakref.finalize: a third of the cost on the capture path, and
@@ -98,6 +99,7 @@ class StateBufferPool:
                 return None
             best = self._free.pop(best_index)
             self._free_bytes -= best_size
+            self.reused += 1
             return best
 
     def _want_spare(self, n_bytes: int) -> None:
@@ -203,22 +205,50 @@ def as_state_buffer(data: bytes | bytearray | memoryview | np.ndarray) -> StateB
     return np.frombuffer(data, dtype=np.uint8)
 
 
+EXTRA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,47}")
+"""What an extra state's name may be: 1 to 48 ASCII characters of ``[A-Za-z0-9_.:-]``, not starting with ``.``,
+``:`` or ``-`` (it is stored with the blob in files and manifests, see ``docs/persistence-format.md``)."""
+TARGET = "target"
+"""The name of a checkpoint's target state (reserved: no extra state takes it)."""
+DRAFT = "draft"
+"""The extra state of a draft model's context (:class:`~ckpt_plugin.speculative.DraftStatePlugin`)."""
+SPECULATIVE = "speculative"
+"""The extra state of a speculative decoder (:class:`~ckpt_plugin.speculative.NgramStatePlugin`)."""
+
+
+def check_extra_name(name: str) -> str:
+    """``name`` if an extra state may take it.
+
+    :raises ValueError: It may not (not a string, empty, too long, other characters, or ``"target"``).
+    """
+    if not isinstance(name, str) or not EXTRA_NAME.fullmatch(name) or name == TARGET:
+        raise ValueError(f"extra state name {name!r} is not 1 to 48 characters of [A-Za-z0-9_.:-] starting with a "
+                         f"letter, digit or '_', or is the reserved name {TARGET!r}")
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class ExtraState:
-    """Companion state contributed to a checkpoint by a plugin (see ``on_checkpoint_capture``).
+    """Companion state contributed to a checkpoint by a plugin (see ``on_checkpoint_capture``), stored with the
+    checkpoint under ``name`` in every tier.
 
-    :ivar kind: ``"draft"`` for a draft model's context state, ``"speculative"`` for a speculative decoder's state.
+    :ivar name: Whose state it is: :data:`DRAFT` for a draft model's context, :data:`SPECULATIVE` for a speculative
+        decoder's, or a plugin's own name (see :data:`EXTRA_NAME`). One name per checkpoint.
     :ivar data: Read-only bytes.
     """
 
-    kind: Literal["draft", "speculative"]
+    name: str
     data: StateBuffer
 
     def __post_init__(self) -> None:
+        check_extra_name(self.name)
         object.__setattr__(self, "data", as_state_buffer(self.data))
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+_NO_EXTRA: Mapping[str, StateBuffer] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True, eq=False, init=False)
 class Checkpoint:
     """An immutable snapshot of one sequence's state at a position.
 
@@ -231,8 +261,8 @@ class Checkpoint:
         window or the recurrent state); ``False`` for the full sequence state.
     :ivar target: The target context's state bytes.
     :ivar fingerprint: The model/context fingerprint the state belongs to.
-    :ivar draft: The draft model's state bytes, if a draft plugin contributed them.
-    :ivar speculative: The speculative decoder's state bytes, if a plugin contributed them.
+    :ivar extra: Companion states by name (a read-only mapping, in name order): what plugins contributed through
+        ``on_checkpoint_capture`` (:data:`DRAFT`, :data:`SPECULATIVE`, a plugin's own name).
     """
 
     n_tokens: int
@@ -241,28 +271,50 @@ class Checkpoint:
     partial: bool
     target: StateBuffer = field(repr=False)
     fingerprint: str = field(repr=False)
-    draft: StateBuffer | None = field(default=None, repr=False)
-    speculative: StateBuffer | None = field(default=None, repr=False)
+    extra: Mapping[str, StateBuffer] = field(repr=False)
 
-    def __post_init__(self) -> None:
-        for name, buffer in (("target", self.target), ("draft", self.draft), ("speculative", self.speculative)):
-            if buffer is not None and buffer.flags.writeable:
+    def __init__(self, n_tokens: int, pos_min: int, pos_max: int, partial: bool, target: StateBuffer,
+                 fingerprint: str, *, extra: Mapping[str, StateBuffer] | None = None,
+                 draft: StateBuffer | None = None, speculative: StateBuffer | None = None) -> None:
+        """``draft`` and ``speculative`` are shorthands for those names of ``extra`` (and win over them)."""
+        setter = object.__setattr__
+        setter(self, "n_tokens", n_tokens)
+        setter(self, "pos_min", pos_min)
+        setter(self, "pos_max", pos_max)
+        setter(self, "partial", partial)
+        setter(self, "target", target)
+        setter(self, "fingerprint", fingerprint)
+        if target is not None and target.flags.writeable:
+            raise ValueError("checkpoint target buffer must be frozen read-only before it is shared")
+        if not extra and draft is None and speculative is None:
+            setter(self, "extra", _NO_EXTRA)  # the usual capture: no mapping built
+            return
+        named = dict(extra or {})
+        for name, buffer in ((DRAFT, draft), (SPECULATIVE, speculative)):
+            if buffer is not None:
+                named[name] = buffer
+        for name, buffer in named.items():
+            check_extra_name(name)
+            if not isinstance(buffer, np.ndarray) or buffer.flags.writeable:
                 raise ValueError(f"checkpoint {name} buffer must be frozen read-only before it is shared")
+        setter(self, "extra", MappingProxyType(dict(sorted(named.items()))))
+
+    @property
+    def draft(self) -> StateBuffer | None:
+        """The draft model's state bytes (``extra["draft"]``), if a draft plugin contributed them."""
+        return self.extra.get(DRAFT)
+
+    @property
+    def speculative(self) -> StateBuffer | None:
+        """The speculative decoder's state bytes (``extra["speculative"]``), if a plugin contributed them."""
+        return self.extra.get(SPECULATIVE)
 
     def buffers(self) -> Iterator[StateBuffer]:
-        """Yield every state buffer of this checkpoint."""
+        """Yield every state buffer of this checkpoint: the target, then the extra states in name order."""
         yield self.target
-        if self.draft is not None:
-            yield self.draft
-        if self.speculative is not None:
-            yield self.speculative
+        yield from self.extra.values()
 
     @property
     def nbytes(self) -> int:
         """Bytes held by this checkpoint's buffers."""
-        n_bytes = self.target.nbytes
-        if self.draft is not None:
-            n_bytes += self.draft.nbytes
-        if self.speculative is not None:
-            n_bytes += self.speculative.nbytes
-        return int(n_bytes)
+        return int(self.target.nbytes + sum(buffer.nbytes for buffer in self.extra.values()))

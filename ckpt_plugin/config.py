@@ -154,6 +154,11 @@ class CheckpointSettings(BaseSettings):
     redis_retry: float = Field(2.0, gt=0, le=3600,
                                description="Seconds between probes of an unreachable shared-tier server.")
     load_entrypoints: bool = Field(True, description="Load plugins from the 'ckpt_plugin' entry-point group.")
+    plan_by_cost: bool = Field(
+        True, description="Choose the plan with the least expected time (restore plus evaluation, from rates "
+        "measured on this machine) rather than the one keeping the most tokens, and skip checkpoints that cost more "
+        "to copy than they save; false: keep the most tokens, take every checkpoint (rates are still measured).",
+    )
 
     @field_validator("cache_max_bytes", "disk_max_bytes", mode="before")
     @classmethod
@@ -223,6 +228,14 @@ class ServeSettings(CheckpointSettings):
         None, ge=1, description="Tokens a completion may generate at most, whatever its max_tokens asks "
         "(finish_reason 'length'); None for no limit beyond the context.",
     )
+    parallel: int = Field(
+        1, ge=1, le=256, description="Slots: conversations served at once over one model context, their tokens "
+        "decoded in shared batches, each slot holding a whole n_ctx. 1: one request at a time, as the host serves.",
+    )
+    max_queued: int = Field(
+        64, ge=0, description="With parallel > 1: requests that may wait for a free slot (first come, first served); "
+        "a request past them gets 503.",
+    )
 
     @field_validator("max_body_bytes", mode="before")
     @classmethod
@@ -233,4 +246,6 @@ class ServeSettings(CheckpointSettings):
     def _header_named(self) -> "ServeSettings":
         if self.namespaces == "header" and not self.namespace_header:
             raise ValueError("namespaces='header' needs namespace_header (the header your gateway sets)")
+        if self.parallel > 1 and self.draft_model is not None:
+            raise ValueError("parallel > 1 cannot be combined with draft_model: the draft context has one sequence")
         return self

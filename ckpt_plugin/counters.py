@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping
 
 
 @dataclass
 class Counters:
-    """Monotonic counters of a manager (see :func:`manager_stats`)."""
+    """Monotonic counters of a manager (see :func:`manager_stats`).
+
+    Every slot of an engine counts here from its own thread: ``counters.x += n`` reads and writes in two steps and
+    loses counts when two threads interleave, so updates go through :meth:`add` (one lock for all the fields), and
+    :meth:`snapshot` reads every field under the same lock (a view in which related counters agree). Reading one
+    field alone needs no lock.
+    """
 
     prompts: int = 0
     tokens_evaluated: int = 0
@@ -31,6 +38,25 @@ class Counters:
     restore_failures: int = 0
     draft_dropped: int = 0
     corrupt_slot_files: int = 0
+
+    def __post_init__(self) -> None:
+        # An attribute, not a field: fields(), asdict() and == see only the counts.
+        self._lock = threading.Lock()
+
+    def add(self, **amounts: float) -> None:
+        """Add each amount to the counter of that name, atomically with respect to every other :meth:`add`.
+
+        :raises AttributeError: A name is not a counter (nothing is added).
+        """
+        with self._lock:
+            updated = [(name, getattr(self, name) + amount) for name, amount in amounts.items()]
+            for name, value in updated:
+                setattr(self, name, value)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter, read at one instant (no :meth:`add` half-way)."""
+        with self._lock:
+            return {counter.name: getattr(self, counter.name) for counter in fields(self)}
 
 
 ENTRY_TIERS = ("ram", "disk", "shared")

@@ -30,7 +30,7 @@ from .eviction import Chooser, evict_until
 from .policy import Hit
 from .persist import read_entry, read_header, read_recorded_namespace, remove_stale_temp_files, write_entry
 from .radix import RadixIndex
-from .tiers import Query, Tier
+from .tiers import Admission, Query, Tier
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -123,6 +123,11 @@ class DiskTier:
         digest = hashlib.sha256(f"{entry.namespace}\0{entry.fingerprint}\0".encode())
         digest.update(np.ascontiguousarray(entry.tokens, dtype="<i4").tobytes())
         return digest.hexdigest()[:40] + SUFFIX
+
+    def admit(self, entry: CacheEntry, admission: Admission) -> bool:
+        """:class:`~ckpt_plugin.tiers.CacheTier`: :meth:`store`, the victims chosen by ``admission`` (tier
+        ``"disk"``)."""
+        return self.store(entry, lambda records, n_bytes: admission.select_victims(records, n_bytes, Tier.DISK))
 
     @locked
     def store(self, entry: CacheEntry, select_victims: Chooser[DiskRecord] | None = None) -> bool:

@@ -8,6 +8,7 @@ are pluggy's, and what a hook returns is read where it is called.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -23,13 +24,20 @@ class ProjectPlugins(pluggy.PluginManager):
     call monitor is installed (``add_hookcall_monitoring``, ``enable_tracing``: monitors see every call).
 
     :ivar idle_hooks: Hook name -> whether it is ``firstresult``, for every hook a call can skip; kept up to date by
-        every registration, unregistration, new hook specification and monitor.
+        every registration, unregistration, new hook specification and monitor. Replaced whole, never changed in
+        place, so that calls from the slots' threads read it without a lock.
+
+    Changes (registrations, specifications, monitors) take turns under one lock, each with the recomputation of
+    :attr:`idle_hooks` it causes: two plugins registered from two threads could otherwise leave the set computed
+    before the second registration (a hook with an implementation skipped for good), or walk pluggy's hook
+    namespace while the other adds to it.
     """
 
     def __init__(self, project_name: str) -> None:
         super().__init__(project_name)
         self.monitors = 0
         self.idle_hooks: dict[str, bool] = {}
+        self._changing = threading.RLock()  # reentrant: pluggy's entry-point loading registers through register()
 
     def _hooks_changed(self) -> None:
         idle: dict[str, bool] = {}
@@ -40,32 +48,37 @@ class ProjectPlugins(pluggy.PluginManager):
         self.idle_hooks = idle
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
-        try:
-            return super().register(plugin, name)
-        finally:
-            self._hooks_changed()
+        with self._changing:
+            try:
+                return super().register(plugin, name)
+            finally:
+                self._hooks_changed()
 
     def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
-        try:
-            return super().unregister(plugin, name)
-        finally:
-            self._hooks_changed()
+        with self._changing:
+            try:
+                return super().unregister(plugin, name)
+            finally:
+                self._hooks_changed()
 
     def add_hookspecs(self, module_or_class: object) -> None:
-        try:
-            super().add_hookspecs(module_or_class)
-        finally:
-            self._hooks_changed()
+        with self._changing:
+            try:
+                super().add_hookspecs(module_or_class)
+            finally:
+                self._hooks_changed()
 
     def add_hookcall_monitoring(self, before: Any, after: Any) -> Any:
-        undo = super().add_hookcall_monitoring(before, after)
-        self.monitors += 1
-        self._hooks_changed()
+        with self._changing:
+            undo = super().add_hookcall_monitoring(before, after)
+            self.monitors += 1
+            self._hooks_changed()
 
         def undo_and_count() -> None:
-            undo()
-            self.monitors -= 1
-            self._hooks_changed()
+            with self._changing:
+                undo()
+                self.monitors -= 1
+                self._hooks_changed()
 
         return undo_and_count
 

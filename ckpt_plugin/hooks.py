@@ -25,7 +25,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from .cache import CacheEntry
-    from .checkpoint import Checkpoint, ExtraState
+    from .checkpoint import Checkpoint, ExtraState, StateBuffer
     from .engine_view import EngineView
     from .slot import Slot
 
@@ -108,9 +108,15 @@ def on_checkpoint_capture(
 ) -> ExtraState | None:
     """Contribute companion state to a checkpoint being created (all results are collected).
 
-    Called right after the target state of a checkpoint or cache entry was captured. A draft-model plugin returns
-    ``ExtraState(kind="draft", data=...)`` with its context's state; a speculative decoder returns
-    ``ExtraState(kind="speculative", data=...)``. ``data`` must be a read-only buffer the plugin will never mutate.
+    Called right after the target state of a checkpoint or cache entry was captured. The result is stored with the
+    checkpoint under its name (``checkpoint.extra[name]``) and travels with it through every tier (RAM, disk files,
+    the shared tier), to come back in :func:`on_slot_restore`. A draft-model plugin returns
+    ``ExtraState("draft", data)`` with its context's state, a speculative decoder ``ExtraState("speculative",
+    data)``, any other plugin ``ExtraState("<its own name>", data)`` (see
+    :data:`~ckpt_plugin.checkpoint.EXTRA_NAME`; one plugin per name: a name returned twice keeps the first answer).
+    ``data`` must be a buffer the plugin will never mutate (it is frozen read-only here).
+
+    Slots of one engine capture from their own threads: a plugin that keeps state of its own guards it.
 
     :param manager: The calling manager.
     :param slot: The slot being captured.
@@ -172,9 +178,11 @@ def on_slot_restore(
 ) -> None:
     """A checkpoint or prompt-cache entry was restored into ``slot``.
 
-    Called after the target context was restored and truncated, before any new token is evaluated. A draft-model
-    plugin restores its context from ``checkpoint.draft`` (or ``entry.state.draft``) here, then the speculative
-    state; observers record latency or counts.
+    Called after the target context was restored and truncated, before any new token is evaluated. A plugin that
+    contributed extra state in :func:`on_checkpoint_capture` puts it back here: :func:`restored_extra` (``name``,
+    ``checkpoint``, ``entry``) is the state stored with what was restored (the checkpoint's if one was, else the
+    entry's full state's); a draft-model plugin restores its context from ``"draft"``, then the speculative state
+    ``"speculative"``; observers record latency or counts.
 
     :param manager: The calling manager.
     :param slot: The slot, now holding ``n_tokens`` tokens.
@@ -182,6 +190,14 @@ def on_slot_restore(
     :param entry: The prompt-cache entry whose full state was restored first, or ``None``.
     :param n_tokens: Tokens in memory after the restore.
     """
+
+
+def restored_extra(name: str, checkpoint: Checkpoint | None, entry: CacheEntry | None) -> StateBuffer | None:
+    """The extra state ``name`` stored with what :func:`on_slot_restore` restored: ``checkpoint``'s when a checkpoint
+    was restored, else ``entry``'s full state's; ``None`` if that state has none of that name. (A helper for
+    implementations, not a hook.)"""
+    state = checkpoint if checkpoint is not None else entry.state if entry is not None else None
+    return state.extra.get(name) if state is not None else None
 
 
 @hookspec

@@ -47,6 +47,15 @@ def set_evaluated_prefix(llama: Any, tokens: np.ndarray, n_keep: int) -> None:
     llama._requires_eval = True
 
 
+def give_own_state(view: Any, context: Any, stack: Any) -> None:
+    """Make a shallow copy of a ``Llama`` independent of it: its own context wrapper (``_ctx``), exit stack
+    (``_stack``: closing the copy must not free the original's model), no sampler, and its next token evaluated."""
+    view._ctx = context
+    view._stack = stack
+    view._sampler = None
+    view._requires_eval = True
+
+
 def server_llama_proxy(server_app_module: Any) -> Any:
     """The model proxy ``llama_cpp.server.app.create_app`` stored in its module (``_llama_proxy``)."""
     return server_app_module._llama_proxy

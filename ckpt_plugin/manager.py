@@ -128,11 +128,11 @@ class CheckpointManager:
 
     def evicted(self, entry: CacheEntry, reason: str) -> None:
         if reason == "budget":
-            self.counters.cache_evictions += 1
+            self.counters.add(cache_evictions=1)
         self.hooks.call(self.hooks.hook.on_cache_evict, entry=entry, reason=reason)
 
     def admitted(self, entry: CacheEntry) -> None:
-        self.counters.cache_saves += 1
+        self.counters.add(cache_saves=1)
 
     # ---------------------------------------------------------------------------------------------------------------
     # slot 0: the slot of an attached Llama
@@ -262,17 +262,19 @@ class CheckpointManager:
         """The slot, its checkpoints and the cache entries (see :func:`ckpt_plugin.stats.describe`)."""
         return describe(self, namespace)
 
-    def save_slot(self, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:
-        """Write slot 0 to a slot file (see :func:`ckpt_plugin.slot_files.save_slot`)."""
-        return save_slot(self.slots[0], path, namespace)
+    def save_slot(self, path: str | os.PathLike[str], namespace: str | None = None, slot_id: int = 0) -> dict[str, Any]:
+        """Write slot ``slot_id`` to a slot file (see :func:`ckpt_plugin.slot_files.save_slot`)."""
+        return save_slot(self.slots[slot_id], path, namespace)
 
-    def restore_slot(self, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:
-        """Restore slot 0 from a slot file (see :func:`ckpt_plugin.slot_files.restore_slot`)."""
-        return restore_slot(self.slots[0], path, namespace)
+    def restore_slot(
+        self, path: str | os.PathLike[str], namespace: str | None = None, slot_id: int = 0
+    ) -> dict[str, Any]:
+        """Restore slot ``slot_id`` from a slot file (see :func:`ckpt_plugin.slot_files.restore_slot`)."""
+        return restore_slot(self.slots[slot_id], path, namespace)
 
-    def erase_slot(self, namespace: str | None = None) -> dict[str, Any]:
-        """Empty slot 0 if it holds ``namespace``'s state (see :func:`ckpt_plugin.slot_files.erase_slot`)."""
-        return erase_slot(self.slots[0], namespace)
+    def erase_slot(self, namespace: str | None = None, slot_id: int = 0) -> dict[str, Any]:
+        """Empty slot ``slot_id`` if it holds ``namespace``'s state (see :func:`ckpt_plugin.slot_files.erase_slot`)."""
+        return erase_slot(self.slots[slot_id], namespace)
 
     def flush(self) -> None:
         """Put every live slot into the cache (and so into the disk tier), e.g. before the process exits."""

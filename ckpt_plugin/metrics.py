@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .hooks import hookimpl
 from .manager import CheckpointManager
@@ -87,6 +87,36 @@ class ManagerCollector:
             yield family
 
 
+SLOT_GAUGES: dict[str, str] = {
+    "busy": "1 while a request holds the slot",
+    "tokens": "Tokens the slot's memory holds",
+    "checkpoints": "Checkpoints the slot holds",
+}
+
+
+class SlotCollector:
+    """Per-slot gauges of the managers ``managers()`` returns, labelled by model and slot id (the parallel slots
+    of ``ckpt-serve --parallel``; a single attached ``Llama`` has slot 0)."""
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+        self._managers = managers
+
+    def collect(self) -> Iterator[Metric]:
+        rows = [
+            (model, controller) for model, manager in dict(self._managers()).items() for controller in manager.slots
+        ]
+        values = {
+            "busy": lambda controller: float(controller.busy),
+            "tokens": lambda controller: float(controller.slot.n_tokens),
+            "checkpoints": lambda controller: float(len(list(controller.slot.checkpoints))),
+        }
+        for name, doc in SLOT_GAUGES.items():
+            family = GaugeMetricFamily(f"ckpt_slot_{name}", doc, labels=["model", "slot"])
+            for model, controller in rows:
+                family.add_metric([model, str(controller.slot.id)], values[name](controller))
+            yield family
+
+
 class SharedTierCollector:
     """Collects the counters, gauges and latencies of the shared tiers of the managers ``managers()`` returns,
     labelled by server (its URL without credentials)."""
@@ -119,6 +149,58 @@ class SharedTierCollector:
                 yield merged
 
 
+COST_COUNTERS = {  # metric name: (key of CostModel.snapshot(), help)
+    "plans": ("plans", "Plans carried out with an estimate of their time"),
+    "plans_by_cost": ("plans_by_cost", "Plans that kept fewer tokens than they could because that was clearly faster"),
+    "tokens_recomputed_by_cost": ("tokens_recomputed_by_cost",
+                                  "Prompt tokens evaluated although a restore could have served them (it was slower)"),
+    "fetches_skipped_by_cost": ("fetches_skipped_by_cost",
+                                "Candidates of slower tiers not fetched because they could not be faster"),
+    "lookups_skipped_by_cost": ("lookups_skipped_by_cost",
+                                "Shared-tier lookups not made because even a hit could not be faster"),
+    "plan_estimated_seconds": ("estimated_seconds",
+                               "Estimated seconds of the plans (fetch, restore, evaluation of the rest of the prompt)"),
+    "plan_actual_seconds": ("actual_seconds", "Measured seconds of the same plans"),
+}
+
+
+class CostCollector:
+    """Collects each manager's measured rates and its plans' estimated against actual time, labelled by model."""
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+        self._managers = managers
+
+    def collect(self) -> Iterator[Metric]:
+        models = {model: manager.rules.costs for model, manager in self._managers().items()}
+        views = {model: costs.snapshot() for model, costs in models.items()}
+        eval_rate = GaugeMetricFamily("ckpt_eval_seconds_per_token", "Measured seconds per evaluated token, by the "
+                                      "smallest batch size of its bucket", labels=["model", "batch"])
+        latency = GaugeMetricFamily("ckpt_transfer_latency_seconds", "Measured fixed cost of one state transfer "
+                                    "(ram: restore into the context; capture; disk read; shared: round trip)",
+                                    labels=["model", "tier"])
+        bandwidth = GaugeMetricFamily("ckpt_transfer_bytes_per_second", "Measured bandwidth of state transfers",
+                                      labels=["model", "tier"])
+        for model, view in views.items():
+            for batch, seconds in view["eval_seconds_per_token"].items():
+                eval_rate.add_metric([model, batch], seconds)
+            for tier, rate in view["transfers"].items():
+                latency.add_metric([model, tier], rate["latency_seconds"])
+                bandwidth.add_metric([model, tier], rate["bytes_per_second"])
+        yield from (eval_rate, latency, bandwidth)
+        for name, (key, doc) in COST_COUNTERS.items():
+            family = CounterMetricFamily(f"ckpt_{name}", doc, labels=["model"])
+            for model, view in views.items():
+                family.add_metric([model], float(view[key]))
+            yield family
+        ratio = HistogramMetricFamily("ckpt_plan_time_ratio", "Actual / estimated time of each plan (its fetches, "
+                                      "restore and the evaluation of the rest of the prompt)", labels=["model"])
+        for model, costs in models.items():
+            buckets, _, total = costs.ratio_histogram()
+            ratio.add_metric([model], [("+Inf" if bound == float("inf") else str(bound), count)
+                                       for bound, count in buckets], total)
+        yield ratio
+
+
 class RestoreLatency:
     """A plugin recording restore latency into a histogram."""
 
@@ -141,6 +223,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(ManagerCollector(managers))
         self.registry.register(SharedTierCollector(managers))
+        self.registry.register(CostCollector(managers))
+        self.registry.register(SlotCollector(managers))
         self.restore_seconds = Histogram(
             "ckpt_restore_seconds", "Time to restore a checkpoint or cache entry", ["model"],
             registry=self.registry, buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),

@@ -18,6 +18,8 @@ It is a thin composition of one-job pieces:
 - generation routes run under the request's limits (``request_timeout``, ``request_max_tokens``) and stop at the
   next token when their client disconnects; a stream that fails ends with an error event
   (:class:`~ckpt_plugin.generation.Generation`);
+- with parallel slots, generations wait for a slot in arrival order, and past a bounded queue get 503
+  (:class:`~ckpt_plugin.admission.Admission`);
 - :class:`~ckpt_plugin.usage.UsageRewriter`: ``usage.prompt_tokens_details.cached_tokens`` on their responses;
 - with a shared tier, once a completion's response is sent, the live slot is offered to it
   (:func:`~ckpt_plugin.publishing.publish`), so the conversation's next turn can land on any replica.
@@ -38,6 +40,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .admission import Admission, ServerBusy
 from .body_limit import BodyLimitMiddleware, BodyTooLarge, ClientDisconnect, error_response, read_body
 from .config import ServeSettings
 from .generation import Generation, replay_body
@@ -64,6 +67,8 @@ class CheckpointMiddleware:
     :param api_key: The host's API key, if it has one.
     :param guards: The host's routes by path (after ``root_path``), each with its body checks; ``None`` for
         :func:`~ckpt_plugin.route_guard.default_guards`.
+    :param admission: With parallel slots, the queue generations wait in for a slot (503 past it); ``None`` when
+        the host serves one request at a time itself.
     """
 
     def __init__(
@@ -73,8 +78,10 @@ class CheckpointMiddleware:
         settings: ServeSettings | None = None,
         api_key: str | None = None,
         guards: Mapping[str, RouteGuard] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.app = app
+        self.admission = admission
         self.settings = settings or ServeSettings()
         self.guards = dict(default_guards() if guards is None else guards)
         self.managers: Callable[[], Managers] = managers if callable(managers) else (lambda: managers)
@@ -141,8 +148,20 @@ class CheckpointMiddleware:
         if settings.request_timeout is not None:
             request_scope.deadline = time.monotonic() + settings.request_timeout
         request_scope.max_new_tokens = settings.request_max_tokens
-        generation = Generation(UsageRewriter(self.app, request_scope, body), request_scope.cancelled)
-        await generation(scope, receive, send, body, stream=payload.get("stream") is True)
+        admission = self.admission
+        if admission is not None:
+            try:
+                if not await admission.enter(receive):
+                    return  # the client left while waiting for a slot
+            except ServerBusy as exc:
+                await error_response(503, "server_busy", str(exc))(scope, receive, send)
+                return
+        try:
+            generation = Generation(UsageRewriter(self.app, request_scope, body), request_scope.cancelled)
+            await generation(scope, receive, send, body, stream=payload.get("stream") is True)
+        finally:
+            if admission is not None:
+                admission.leave()
         await run_in_threadpool(self._publish)
 
     def _publish(self) -> None:

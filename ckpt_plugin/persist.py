@@ -1,8 +1,9 @@
 """The versioned on-disk format of slot files and disk-tier cache entries (see ``docs/persistence-format.md``).
 
 A file holds one :class:`~ckpt_plugin.cache.CacheEntry`: the model fingerprint, the namespace, the tokens, the full
-state and the checkpoints of its lineage, each state record with its target / draft / speculative blobs. Blob
-payloads start on 64-byte boundaries.
+state and the checkpoints of its lineage, each state record with its target blob and its extra states, each a blob
+stored with its name (a draft model's, a speculative decoder's, any plugin's). Blob payloads start on 64-byte
+boundaries. Files of version 1.0, whose records had a draft and a speculative blob in fixed places, are still read.
 
 :func:`read_entry` reads the file once, in one pass, into private anonymous memory: each blob straight into a state
 buffer of its own (from a :class:`~ckpt_plugin.checkpoint.StateBufferPool`), the rest into one small buffer; then
@@ -45,14 +46,25 @@ from typing import BinaryIO, Callable, Iterator
 import numpy as np
 
 from .cache import CacheEntry
-from .checkpoint import Checkpoint, StateBufferPool, allocate_state_buffer, freeze
+from .checkpoint import (
+    DRAFT,
+    SPECULATIVE,
+    TARGET,
+    Checkpoint,
+    StateBufferPool,
+    allocate_state_buffer,
+    check_extra_name,
+    freeze,
+)
 from .errors import CorruptFileError, IncompatibleStateError, UnsafePathError
 
 __all__ = [
     "ALIGNMENT",
     "FORMAT_VERSION",
     "MAGIC",
+    "MAX_EXTRAS",
     "MAX_RECORDS",
+    "READ_VERSIONS",
     "CorruptFileError",
     "EntryHeader",
     "FILE_BLOB_REFS",
@@ -72,16 +84,23 @@ MAGIC = b"CKPTSLOT"
 """First 8 bytes of every file."""
 END_MAGIC = b"CKPT_END"
 """Last 8 bytes of every completely written file."""
-FORMAT_VERSION = (1, 0)
-"""(major, minor) written by this module. Readers refuse another major version; minor versions only add optional
-file flags (bits 16-31), which older readers ignore. Required flags (bits 0-15) mark data a reader must not take
-for an ordinary file; a reader refuses every one it does not know."""
+FORMAT_VERSION = (2, 0)
+"""(major, minor) written by this module. Readers refuse a major version they do not know (this one reads 1 and 2);
+minor versions only add optional file flags (bits 16-31), which older readers ignore. Required flags (bits 0-15)
+mark data a reader must not take for an ordinary file; a reader refuses every one it does not know."""
+READ_VERSIONS = (1, 2)
+"""Major versions this module reads: 1.x (draft and speculative blobs in fixed places of each record) and 2.x
+(extra states as named blob records)."""
 ALIGNMENT = 64
 """Tokens, records and blob payloads start at multiples of this offset (and so of the mapping's address)."""
 MAX_TEXT_BYTES = 4096
 """Largest fingerprint or namespace, in UTF-8 bytes."""
 MAX_RECORDS = 4096
 """Most state records in a file (the full state plus checkpoints); bounds the reader's per-record object overhead."""
+MAX_EXTRAS = 64
+"""Most extra states of one state record (version 2)."""
+MAX_NAME_BYTES = 48
+"""Longest extra state name (the name field of an extra record, see :data:`~ckpt_plugin.checkpoint.EXTRA_NAME`)."""
 DIGEST_SIZE = 32
 """BLAKE2b digest size of the header and of the whole file."""
 TEMP_PREFIX = ".ckpt-tmp-"
@@ -93,11 +112,19 @@ CHUNK_SIZE = 8 << 20
 _FIXED = struct.Struct("<8sHHIII")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-# A state record's header: n_tokens, pos_min, pos_max, flags, reserved, 3 blob lengths, reserved.
-_RECORD = struct.Struct("<qqqIIQQQQ")
+# Version 2: a state record's header: kind, flags, n_tokens, pos_min, pos_max, target length, extra records, reserved.
+_STATE = struct.Struct("<4sIqqqQI20s")
+# Version 2: an extra record's header: kind, name length, blob length, name (zero-padded).
+_EXTRA = struct.Struct(f"<4sIQ{MAX_NAME_BYTES}s")
+STATE_KIND = b"STAT"
+"""Kind of a state record (version 2): a checkpoint or the full state, with its target blob."""
+EXTRA_KIND = b"XTRA"
+"""Kind of an extra record (version 2): one named extra state of the state record before it."""
+# Version 1: a state record's header: n_tokens, pos_min, pos_max, flags, reserved, 3 blob lengths, reserved.
+_RECORD_V1 = struct.Struct("<qqqIIQQQQ")
 # Trailer: offset of the trailer (= bytes before it), digest of those bytes, end magic.
 _TRAILER = struct.Struct(f"<Q{DIGEST_SIZE}s8s")
-assert _RECORD.size == ALIGNMENT
+assert _STATE.size == _EXTRA.size == _RECORD_V1.size == ALIGNMENT
 
 FILE_FLAGS_REQUIRED = 0x0000FFFF
 """File flag bits a reader must understand."""
@@ -105,16 +132,18 @@ FILE_BLOB_REFS = 1 << 0
 """Required file flag: every blob payload is a reference to state bytes stored elsewhere, not the bytes (the
 shared tier's manifests); only :func:`decode_entry` with ``blob_refs=True`` reads such data."""
 REC_PARTIAL = 1 << 0
+"""Record flag (both versions): the state is partial."""
+# Version 1 record flags: which of the three fixed blobs are present.
 REC_TARGET = 1 << 1
 REC_DRAFT = 1 << 2
 REC_SPECULATIVE = 1 << 3
-_REC_KNOWN = REC_PARTIAL | REC_TARGET | REC_DRAFT | REC_SPECULATIVE
-_BLOBS = (("target", REC_TARGET), ("draft", REC_DRAFT), ("speculative", REC_SPECULATIVE))
+_REC_KNOWN_V1 = REC_PARTIAL | REC_TARGET | REC_DRAFT | REC_SPECULATIVE
+_BLOBS_V1 = ((TARGET, REC_TARGET), (DRAFT, REC_DRAFT), (SPECULATIVE, REC_SPECULATIVE))
 
 _TOKEN_DTYPE = np.dtype("<i4")
 _INT32 = np.iinfo(np.int32)
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
-MIN_FILE_SIZE = 2 * ALIGNMENT + _RECORD.size + _TRAILER.size
+MIN_FILE_SIZE = 2 * ALIGNMENT + _STATE.size + _TRAILER.size
 """Smallest well-formed file: one record with empty blobs, no tokens, empty strings."""
 
 
@@ -190,6 +219,11 @@ def _encode_text(what: str, text: str) -> bytes:
     if len(data) > MAX_TEXT_BYTES:
         raise ValueError(f"{what} is {len(data)} UTF-8 bytes, more than the {MAX_TEXT_BYTES} the format allows")
     return data
+
+
+def _encode_name(name: str) -> bytes:
+    """An extra state's name as stored (ASCII, at most :data:`MAX_NAME_BYTES`)."""
+    return check_extra_name(name).encode("ascii")
 
 
 def _tokens_for_disk(tokens: np.ndarray) -> np.ndarray:
@@ -287,25 +321,24 @@ def _entry_parts(entry: CacheEntry, model_fingerprint: str, file_flags: int) -> 
     fingerprint = _encode_text("fingerprint", model_fingerprint)
     namespace = _encode_text("namespace", entry.namespace)
 
-    encoded: list[tuple[bytes, list[memoryview]]] = []
+    # (record or extra header, its blob), in file order
+    encoded: list[tuple[bytes, memoryview]] = []
     for index, record in enumerate(records):
         if not 0 <= record.n_tokens <= n_tokens:
             raise ValueError(f"record {index} holds {record.n_tokens} tokens, outside 0..{n_tokens}")
         if record.pos_min < -1 or record.pos_max < -1:
             raise ValueError(f"record {index} has negative positions ({record.pos_min}, {record.pos_max})")
+        extras = sorted(record.extra.items())  # name order: one entry, one encoding
+        if len(extras) > MAX_EXTRAS:
+            raise ValueError(f"record {index} has {len(extras)} extra states, more than the format's {MAX_EXTRAS}")
+        target = _check_blob(f"target of record {index}", record.target)
         flags = REC_PARTIAL if record.partial else 0
-        lengths, views = [], []
-        for name, bit in _BLOBS:
-            buffer = getattr(record, name)
-            if buffer is None:
-                lengths.append(0)
-                continue
+        encoded.append((_STATE.pack(STATE_KIND, flags, record.n_tokens, record.pos_min, record.pos_max,
+                                    target.nbytes, len(extras), bytes(20)), target))
+        for name, buffer in extras:
+            encoded_name = _encode_name(name).ljust(MAX_NAME_BYTES, b"\0")
             view = _check_blob(f"{name} of record {index}", buffer)
-            flags |= bit
-            lengths.append(view.nbytes)
-            views.append(view)
-        head = _RECORD.pack(record.n_tokens, record.pos_min, record.pos_max, flags, 0, *lengths, 0)
-        encoded.append((head, views))
+            encoded.append((_EXTRA.pack(EXTRA_KIND, len(name), view.nbytes, encoded_name), view))
 
     major, minor = FORMAT_VERSION
     prefix = bytearray(_FIXED.pack(MAGIC, major, minor, file_flags, len(records), len(fingerprint)))
@@ -316,10 +349,8 @@ def _entry_parts(entry: CacheEntry, model_fingerprint: str, file_flags: int) -> 
     header_digest.update(token_view)
     header_end = len(prefix) + token_view.nbytes + DIGEST_SIZE
     parts: list[bytes | memoryview] = [prefix, token_view, header_digest.digest(), _ZEROS[: _pad(header_end)]]
-    for head, views in encoded:
-        parts.append(head)
-        for view in views:
-            parts += [view, _ZEROS[: _pad(view.nbytes)]]
+    for head, view in encoded:
+        parts += [head, view, _ZEROS[: _pad(view.nbytes)]]
     return parts
 
 
@@ -479,10 +510,9 @@ def _parse_header(source: _Source, known_flags: int = 0) -> _Header:
         raise source.fail(f"file is {size} bytes, shorter than the smallest slot file ({MIN_FILE_SIZE} bytes)",
                           None if size < len(MAGIC) else size)
     _, major, minor, flags, n_records, fp_len = source.unpack(_FIXED, 0, size, "header")
-    if major != FORMAT_VERSION[0]:
-        raise source.fail(
-            f"unsupported format version {major}.{minor} (this reader reads {FORMAT_VERSION[0]}.x)", 8
-        )
+    if major not in READ_VERSIONS:
+        readable = " and ".join(f"{known}.x" for known in READ_VERSIONS)
+        raise source.fail(f"unsupported format version {major}.{minor} (this reader reads {readable})", 8)
     if flags & FILE_FLAGS_REQUIRED & ~known_flags:
         raise source.fail(f"unknown required file flags {flags & FILE_FLAGS_REQUIRED & ~known_flags:#06x}", 12)
     body_end = size - _TRAILER.size
@@ -550,50 +580,109 @@ def _open_regular(path: str | os.PathLike[str]) -> tuple[int, int]:
         raise
 
 
-# (offset, n_tokens, pos_min, pos_max, partial, [(offset, length) or None per blob])
-_Record = tuple[int, int, int, int, bool, list]
+# (offset after the record, n_tokens, pos_min, pos_max, partial, [(name, offset, length) per blob, the target first])
+_Record = tuple[int, int, int, int, bool, list[tuple[str, int, int]]]
 
 
 def _parse_records(source: _Source, header: _Header) -> list[_Record]:
+    """The state records of a file of either version, each with its blobs, checked to end exactly at the trailer."""
+    parse = _parse_state_v1 if header.version[0] == 1 else _parse_state
     records: list[_Record] = []
     offset, end = header.records_offset, header.body_end
     for index in range(header.n_records):
-        what = f"record {index}"
-        n_tokens, pos_min, pos_max, flags, reserved, *lengths, reserved2 = source.unpack(_RECORD, offset, end, what)
-        if flags & ~_REC_KNOWN:
-            raise source.fail(f"{what} has unknown flags {flags & ~_REC_KNOWN:#x}", offset + 24)
-        if reserved or reserved2:
-            raise source.fail(f"{what} has non-zero reserved fields", offset)
-        if not flags & REC_TARGET:
-            raise source.fail(f"{what} has no target state", offset + 24)
-        if not 0 <= n_tokens <= header.n_tokens or (index == 0 and n_tokens != header.n_tokens):
-            raise source.fail(f"{what} holds {n_tokens} tokens, inconsistent with the entry's {header.n_tokens}",
-                              offset)
-        if pos_min < -1 or pos_max < -1:
-            raise source.fail(f"{what} has invalid positions ({pos_min}, {pos_max})", offset + 8)
-        blobs: list[tuple[int, int] | None] = []
-        length_offset = offset + 32
-        offset += _RECORD.size
-        for (name, bit), length in zip(_BLOBS, lengths):
-            if not flags & bit:
-                if length:
-                    raise source.fail(f"{what} has a length for its absent {name} blob", length_offset)
-                blobs.append(None)
-            else:
-                if length > end - offset:
-                    raise source.fail(
-                        f"{what} {name} blob length {length} exceeds the {max(0, end - offset)} bytes left",
-                        length_offset,
-                    )
-                blobs.append((offset, length))
-                offset += length
-                _check_zero(source, offset, _pad(offset), end, f"{what} {name} padding")
-                offset += _pad(offset)
-            length_offset += 8
-        records.append((offset, n_tokens, pos_min, pos_max, bool(flags & REC_PARTIAL), blobs))
+        record = parse(source, header, index, offset)
+        records.append(record)
+        offset = record[0]
     if offset != end:
         raise source.fail(f"{end - offset} unexpected bytes after the last record", offset)
     return records
+
+
+def _check_state(source: _Source, header: _Header, index: int, offset: int, n_tokens: int, pos_min: int,
+                 pos_max: int) -> None:
+    """What both versions require of a state record's counts (``offset``: where its token count is)."""
+    what = f"record {index}"
+    if not 0 <= n_tokens <= header.n_tokens or (index == 0 and n_tokens != header.n_tokens):
+        raise source.fail(f"{what} holds {n_tokens} tokens, inconsistent with the entry's {header.n_tokens}", offset)
+    if pos_min < -1 or pos_max < -1:
+        raise source.fail(f"{what} has invalid positions ({pos_min}, {pos_max})", offset + 8)
+
+
+def _blob(source: _Source, what: str, offset: int, length: int, length_offset: int, end: int) -> int:
+    """Check a blob of ``length`` bytes at ``offset`` and its zero padding; return the offset after them."""
+    if length > end - offset:
+        raise source.fail(f"{what} blob length {length} exceeds the {max(0, end - offset)} bytes left", length_offset)
+    offset += length
+    _check_zero(source, offset, _pad(offset), end, f"{what} padding")
+    return offset + _pad(offset)
+
+
+def _parse_state(source: _Source, header: _Header, index: int, offset: int) -> _Record:
+    """A version 2 state record at ``offset``: its header, its target blob, then its extra records."""
+    what, end = f"record {index}", header.body_end
+    kind, flags, n_tokens, pos_min, pos_max, length, n_extras, reserved = source.unpack(_STATE, offset, end, what)
+    if kind != STATE_KIND:
+        raise source.fail(f"{what} is not a state record (kind {kind!r})", offset)
+    if flags & ~REC_PARTIAL:
+        raise source.fail(f"{what} has unknown flags {flags & ~REC_PARTIAL:#x}", offset + 4)
+    if reserved.count(0) != len(reserved):
+        raise source.fail(f"{what} has non-zero reserved fields", offset + 44)
+    _check_state(source, header, index, offset + 8, n_tokens, pos_min, pos_max)
+    if n_extras > MAX_EXTRAS:
+        raise source.fail(f"{what} names {n_extras} extra states, more than {MAX_EXTRAS}", offset + 40)
+    start = offset + _STATE.size
+    blobs = [(TARGET, start, length)]
+    offset = _blob(source, f"{what} target", start, length, offset + 32, end)
+    previous = b""
+    for number in range(n_extras):
+        extra = f"{what} extra {number}"
+        kind, name_length, length, name = source.unpack(_EXTRA, offset, end, extra)
+        if kind != EXTRA_KIND:
+            raise source.fail(f"{extra} is not an extra record (kind {kind!r})", offset)
+        if not 1 <= name_length <= MAX_NAME_BYTES or name[name_length:].count(0) != MAX_NAME_BYTES - name_length:
+            raise source.fail(f"{extra} has a malformed name (length {name_length})", offset + 4)
+        name = name[:name_length]
+        if not _valid_name(name):
+            raise source.fail(f"{extra} has an invalid name {name!r}", offset + 16)
+        if name <= previous:  # strictly ascending: no name twice, and one entry has one encoding
+            raise source.fail(f"{extra} name {name.decode()!r} is out of order or repeated", offset + 16)
+        previous = name
+        blobs.append((name.decode("ascii"), offset + _EXTRA.size, length))
+        offset = _blob(source, f"{extra} ({name.decode()})", offset + _EXTRA.size, length, offset + 8, end)
+    return offset, n_tokens, pos_min, pos_max, bool(flags & REC_PARTIAL), blobs
+
+
+def _valid_name(name: bytes) -> bool:
+    try:
+        check_extra_name(name.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return True
+
+
+def _parse_state_v1(source: _Source, header: _Header, index: int, offset: int) -> _Record:
+    """A version 1 state record at ``offset``: target, draft and speculative blobs in fixed places."""
+    what, end = f"record {index}", header.body_end
+    n_tokens, pos_min, pos_max, flags, reserved, *lengths, reserved2 = source.unpack(_RECORD_V1, offset, end, what)
+    if flags & ~_REC_KNOWN_V1:
+        raise source.fail(f"{what} has unknown flags {flags & ~_REC_KNOWN_V1:#x}", offset + 24)
+    if reserved or reserved2:
+        raise source.fail(f"{what} has non-zero reserved fields", offset)
+    if not flags & REC_TARGET:
+        raise source.fail(f"{what} has no target state", offset + 24)
+    _check_state(source, header, index, offset, n_tokens, pos_min, pos_max)
+    blobs: list[tuple[str, int, int]] = []
+    length_offset = offset + 32
+    offset += _RECORD_V1.size
+    for (name, bit), length in zip(_BLOBS_V1, lengths):
+        if not flags & bit:
+            if length:
+                raise source.fail(f"{what} has a length for its absent {name} blob", length_offset)
+        else:
+            blobs.append((name, offset, length))
+            offset = _blob(source, f"{what} {name}", offset, length, length_offset, end)
+        length_offset += 8
+    return offset, n_tokens, pos_min, pos_max, bool(flags & REC_PARTIAL), blobs
 
 
 def read_entry(path: str | os.PathLike[str], *, expected_fingerprint: str | None = None,
@@ -661,10 +750,9 @@ def _private_layout(size: int, records: list[_Record], pool: StateBufferPool | N
     position = 0
     try:
         for *_, record_blobs in records:
-            for blob in record_blobs:
-                if blob is None or blob[1] == 0:
+            for _, offset, length in record_blobs:
+                if length == 0:
                     continue
-                offset, length = blob
                 gaps.append((position, offset))
                 blobs[offset] = allocate_state_buffer(length, pool)
                 position = offset + length
@@ -756,17 +844,16 @@ def _entry_of(token_bytes: np.ndarray, header: _Header, records: list[_Record],
         tokens.flags.writeable = False
     states = []
     for _, n_tokens, pos_min, pos_max, partial, blobs in records:
-        buffers = [None if where is None else blob(*where) for where in blobs]
+        (_, *target), *extras = blobs
         states.append(
             Checkpoint(
                 n_tokens=n_tokens,
                 pos_min=pos_min,
                 pos_max=pos_max,
                 partial=partial,
-                target=buffers[0],
+                target=blob(*target),
                 fingerprint=header.fingerprint,
-                draft=buffers[1],
-                speculative=buffers[2],
+                extra={name: blob(offset, length) for name, offset, length in extras},
             )
         )
     return CacheEntry(tokens, states[0], tuple(states[1:]), header.namespace)
@@ -820,7 +907,7 @@ def read_recorded_namespace(path: str | os.PathLike[str]) -> str | None:
         if size < _FIXED.size or source.read(0, len(MAGIC)) != MAGIC:
             return None
         _, major, _, _, _, fp_len = source.unpack(_FIXED, 0, size, "header")
-        if major != FORMAT_VERSION[0] or fp_len > MAX_TEXT_BYTES:
+        if major not in READ_VERSIONS or fp_len > MAX_TEXT_BYTES:
             return None
         offset = _FIXED.size + fp_len
         (ns_len,) = source.unpack(_U32, offset, size, "namespace length")

@@ -21,6 +21,7 @@ from typing import Callable, Generic, Iterable, Protocol, Sequence, TypeVar
 import numpy as np
 
 from .checkpoint import Checkpoint
+from .costs import LOCAL_TIERS, Rates, clearly_cheaper, option_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +186,37 @@ class Reuse:
     n_common: int
 
 
+def reuse_options(
+    kind: MemoryKind,
+    lineage: np.ndarray,
+    n_memory: int,
+    pos_min: int,
+    checkpoints: Sequence[Checkpoint],
+    prompt: np.ndarray,
+    limit: int,
+) -> list[Reuse]:
+    """Every way a base can serve a prefix of ``prompt``, in the order :func:`best_reuse` weighs them: nothing
+    (``n_keep`` 0), the memory truncated (when it can be), then each checkpoint that serves the prompt, newest first.
+    No checkpoint is listed once the truncated memory serves all the base shares (none could keep more).
+
+    Parameters as for :func:`best_reuse`.
+    """
+    n_common = min(common_prefix(lineage, prompt), limit)
+    n_direct = min(n_common, n_memory)
+    options = [Reuse(0, None, n_common)]
+    if can_truncate(kind, n_memory, pos_min, n_direct):
+        options.append(Reuse(n_direct, None, n_common))
+        if n_direct == n_common:
+            return options
+    for checkpoint in reversed(checkpoints):
+        n_keep = checkpoint_serves(kind, checkpoint, n_common)
+        if n_keep is None or (kind.attention and n_keep > n_memory):
+            # Attention layers are not in a partial checkpoint: the memory must still hold them.
+            continue
+        options.append(Reuse(n_keep, checkpoint, n_common))
+    return options
+
+
 def best_reuse(
     kind: MemoryKind,
     lineage: np.ndarray,
@@ -194,7 +226,8 @@ def best_reuse(
     prompt: np.ndarray,
     limit: int,
 ) -> Reuse:
-    """The longest prefix of ``prompt`` a base can serve, directly or through one of its checkpoints.
+    """The longest prefix of ``prompt`` a base can serve, directly or through one of its checkpoints (the first of
+    :func:`reuse_options` keeping the most tokens).
 
     :param kind: The memory kind.
     :param lineage: The tokens the base's checkpoints were taken on; the memory holds ``lineage[:n_memory]``.
@@ -205,20 +238,11 @@ def best_reuse(
     :param limit: The most tokens that may be kept (``len(prompt) - 1``: one token is always evaluated so that
         fresh logits exist).
     """
-    n_common = min(common_prefix(lineage, prompt), limit)
-    n_direct = min(n_common, n_memory)
-    best = Reuse(0, None, n_common)
-    if can_truncate(kind, n_memory, pos_min, n_direct):
-        best = Reuse(n_direct, None, n_common)
-        if n_direct == n_common:
-            return best
-    for checkpoint in reversed(checkpoints):
-        n_keep = checkpoint_serves(kind, checkpoint, n_common)
-        if n_keep is None or (kind.attention and n_keep > n_memory):
-            # Attention layers are not in a partial checkpoint: the memory must still hold them.
-            continue
-        if n_keep > best.n_keep:
-            best = Reuse(n_keep, checkpoint, n_common)
+    options = reuse_options(kind, lineage, n_memory, pos_min, checkpoints, prompt, limit)
+    best = options[0]
+    for option in options[1:]:
+        if option.n_keep > best.n_keep:
+            best = option
     return best
 
 
@@ -278,6 +302,11 @@ class Plan(Generic[C]):
     :ivar live: What the live memory alone offered (for the forced-reprocess and miss counters).
     :ivar shared: The longest prefix the prompt shares with the live memory's lineage or any candidate (within the
         limit), whether or not a restore can serve all of it.
+    :ivar estimated_seconds: The plan's expected time (fetch, restore, evaluation of the rest), 0 without rates.
+    :ivar most_tokens: What the plan keeping the most tokens keeps (``n_keep`` unless ``by_cost``; for a candidate
+        not fetched, what its index matched).
+    :ivar by_cost: The plan keeps fewer tokens than it could (``most_tokens``), because that is clearly faster.
+    :ivar fetches_skipped: Candidates of slower tiers not fetched, because even at best they could not be faster.
     """
 
     n_keep: int
@@ -288,11 +317,48 @@ class Plan(Generic[C]):
     park_live: bool
     live: Reuse
     shared: int = 0
+    estimated_seconds: float = 0.0
+    most_tokens: int = 0
+    by_cost: bool = False
+    fetches_skipped: int = 0
 
     @property
     def needs_restore(self) -> bool:
         """Whether anything is restored (otherwise the memory is only truncated, or left as it is)."""
         return self.entry is not None or self.checkpoint is not None
+
+
+class _Pricer(Generic[C]):
+    """Expected times of the ways a plan can serve one prompt, and the cheapest so far (the first on a tie)."""
+
+    def __init__(self, rates: Rates, kind: MemoryKind, n_prompt: int) -> None:
+        self.rates, self.kind, self.n_prompt = rates, kind, n_prompt
+        self.cheapest: tuple[float, Reuse, C | None, str | None] | None = None
+
+    def live(self, reuse: Reuse) -> float:
+        restored = reuse.checkpoint.nbytes if reuse.checkpoint is not None else 0
+        return option_seconds(self.rates, self.n_prompt - reuse.n_keep, restored)
+
+    def entry(self, tier: str, candidate: C, reuse: Reuse) -> float:
+        restored = reuse.checkpoint.nbytes if reuse.checkpoint is not None else 0
+        if reuse.checkpoint is None or not self.kind.partial_is_complete:
+            state = getattr(candidate, "state", None)
+            restored += state.nbytes if state is not None else self.rates.state_bytes(candidate.n_tokens)
+        fetched = 0 if tier in LOCAL_TIERS else int(getattr(candidate, "nbytes", restored))
+        return option_seconds(self.rates, self.n_prompt - reuse.n_keep, restored, tier, fetched)
+
+    def offer(self, seconds: float, reuse: Reuse, entry: C | None, tier: str | None) -> None:
+        if self.cheapest is None or seconds < self.cheapest[0]:
+            self.cheapest = (seconds, reuse, entry, tier)
+
+    def not_worth_fetching(self, tier: str, bound: int) -> bool:
+        """Whether a candidate of ``tier`` sharing ``bound`` tokens, at best (all of them kept, a state of that
+        length), would still be clearly slower than the cheapest way found so far."""
+        if tier in LOCAL_TIERS or self.cheapest is None:
+            return False
+        size = self.rates.state_bytes(bound)
+        best_case = option_seconds(self.rates, self.n_prompt - bound, size, tier, size)
+        return clearly_cheaper(best_case, self.cheapest[0])
 
 
 def plan_prompt(
@@ -303,13 +369,21 @@ def plan_prompt(
     min_discard: int,
     min_tokens: int,
     max_keep: int | None = None,
+    rates: Rates | None = None,
 ) -> Plan[C]:
     """Choose how to serve ``prompt``: from the live memory (truncated, or through one of its checkpoints) or from
-    the stored candidate that keeps the most tokens.
+    a stored candidate.
 
-    Pure but for the ``fetch`` of the hits, which is called only for a hit that could beat the best so far (its
-    ``n_common``, capped at the limit, exceeds the tokens kept), in the order given. Ties go to the live memory,
-    then to the earlier hit. At least one prompt token is always left to evaluate, so that fresh logits exist.
+    Without ``rates``, the way that keeps the most tokens. Ties go to the live memory, then to the earlier hit.
+    With ``rates``, every way is priced (fetch, restore, evaluation of the rest of the prompt) and the cheapest is
+    chosen when it is clearly cheaper than the one keeping the most tokens (:func:`~ckpt_plugin.costs.clearly_cheaper`;
+    otherwise the latter, so that rates where evaluation is far dearer than copying give exactly the plans made
+    without them). At least one prompt token is always left to evaluate, so that fresh logits exist.
+
+    Pure but for the ``fetch`` of the hits, which is called only for a hit that could beat the most tokens kept so
+    far (its ``n_common``, capped at the limit, exceeds them), in the order given, and with ``rates`` only if that
+    hit, kept whole, could be clearly cheaper than the cheapest way so far (a fetch from a slow tier is what a plan
+    saves by not restoring from it).
 
     :param kind: The memory kind.
     :param prompt: The prompt's tokens.
@@ -319,25 +393,55 @@ def plan_prompt(
     :param min_tokens: ... and it holds at least this many.
     :param max_keep: Keep at most this many tokens (a request that reads prompt logits keeps only the prefix whose
         logits are known).
+    :param rates: What evaluating and copying cost (:class:`~ckpt_plugin.costs.Rates`), or ``None``.
     """
     limit = max(len(prompt) - 1, 0)
     if max_keep is not None:
         limit = max(0, min(limit, max_keep))
-    live_reuse = best_reuse(kind, live.lineage, live.n_tokens, live.pos_min, live.checkpoints, prompt, limit)
+    options = reuse_options(kind, live.lineage, live.n_tokens, live.pos_min, live.checkpoints, prompt, limit)
+    live_reuse = max(options, key=lambda option: option.n_keep)  # the first of the longest: best_reuse's choice
     best, entry, tier = live_reuse, None, None
     shared = live_reuse.n_common
+    pricer: _Pricer[C] | None = None
+    most_seconds = 0.0
+    if rates is not None:
+        pricer = _Pricer(rates, kind, len(prompt))
+        for option in options:
+            pricer.offer(pricer.live(option), option, None, None)
+        most_seconds = pricer.live(live_reuse)
+    skipped, most_tokens = 0, 0
     for hit in hits:
-        shared = max(shared, min(hit.n_common, limit))
-        if min(hit.n_common, limit) <= best.n_keep:
+        bound = min(hit.n_common, limit)
+        shared = max(shared, bound)
+        if bound <= best.n_keep:
+            continue
+        if pricer is not None and pricer.not_worth_fetching(hit.tier, bound):
+            skipped, most_tokens = skipped + 1, max(most_tokens, bound)
             continue
         candidate = hit.fetch()
         if candidate is None:
             continue
-        reuse = best_reuse(kind, candidate.tokens, candidate.n_tokens, candidate.pos_min, candidate.checkpoints,
-                           prompt, limit)
+        entry_options = reuse_options(kind, candidate.tokens, candidate.n_tokens, candidate.pos_min,
+                                      candidate.checkpoints, prompt, limit)[1:]
+        reuse = max(entry_options, key=lambda option: option.n_keep, default=Reuse(0, None, 0))
         if reuse.n_keep > best.n_keep:
             best, entry, tier = reuse, candidate, hit.tier
-    kept_live = best.n_keep if entry is None else 0
+            if pricer is not None:
+                most_seconds = pricer.entry(hit.tier, candidate, reuse)
+        if pricer is not None:
+            for option in entry_options:
+                if option.n_keep > 0:
+                    pricer.offer(pricer.entry(hit.tier, candidate, option), option, candidate, hit.tier)
+    chosen, estimate, by_cost = (best, entry, tier), most_seconds, False
+    cheapest = pricer.cheapest if pricer is not None else None
+    if cheapest is not None and clearly_cheaper(most_seconds, cheapest[0]) and (
+            cheapest[2] is not entry or cheapest[1] != best):
+        chosen, estimate, by_cost = cheapest[1:], cheapest[0], True
+    reuse, entry, tier = chosen
+    most_tokens = max(most_tokens, best.n_keep)
+    by_cost = by_cost or most_tokens > reuse.n_keep
+    kept_live = reuse.n_keep if entry is None else 0
     park = live.n_tokens - kept_live >= min_discard and live.n_tokens >= min_tokens
-    restore_state = entry is not None and not (kind.partial_is_complete and best.checkpoint is not None)
-    return Plan(best.n_keep, entry, tier, best.checkpoint, restore_state, park, live_reuse, shared)
+    restore_state = entry is not None and not (kind.partial_is_complete and reuse.checkpoint is not None)
+    return Plan(reuse.n_keep, entry, tier, reuse.checkpoint, restore_state, park, live_reuse, shared, estimate,
+                most_tokens, by_cost, skipped)

@@ -23,6 +23,8 @@ def publish(manager: EngineView) -> bool:
         return False
     queued = False
     for controller in manager.slots:
+        if controller.busy:
+            continue  # mid-generation: its own request publishes it when its response is sent
         with controller.lock:
             controller.reconcile()
             slot = controller.slot

@@ -5,6 +5,8 @@
 - ``GET /checkpoints/stats``: ``manager.stats()`` per model (aggregates over tenants: with namespaces on, only for
   the operator key). Admin only.
 - ``GET /metrics``: Prometheus text.
+- ``GET /slots``: every slot (``is_processing``, ``n_ctx``; ``n_tokens`` and ``n_checkpoints`` of the caller's own
+  state only).
 - ``POST /slots/{id}?action=save|restore|erase`` with ``{"filename": ...}``: slot files in ``slot_save_path`` (in a
   subdirectory per tenant when namespaces are on); a tenant never reads, overwrites or lists another's files.
 
@@ -57,6 +59,7 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
     "/checkpoints": ("GET", "DELETE"),
     "/checkpoints/stats": ("GET",),
     "/metrics": ("GET",),
+    "/slots": ("GET",),
     "/slots/": ("POST",),
 }
 _SLOT_ID = re.compile(r"0|[1-9][0-9]{0,8}")  # ASCII digits only: no "00", no full-width or superscript digits
@@ -127,6 +130,7 @@ class CheckpointRoutes:
                 Route("/checkpoints/stats", self._guard(self.stats, admin=True),
                       methods=_ALLOWED["/checkpoints/stats"]),
                 Route("/metrics", self._guard(self.prometheus, metrics=True), methods=_ALLOWED["/metrics"]),
+                Route("/slots", self._guard(self.slot_list), methods=_ALLOWED["/slots"]),
                 Route("/slots/{slot_id:path}", self._guard(self.slots, slots=True), methods=_ALLOWED["/slots/"]),
             ],
             default=self._not_found,
@@ -148,7 +152,7 @@ class CheckpointRoutes:
     def handles(path: str, settings: ServeSettings) -> bool:
         """Whether ``path`` is one of these routes (``/metrics`` only while metrics are on)."""
         return (
-            path in ("/checkpoints", "/checkpoints/stats")
+            path in ("/checkpoints", "/checkpoints/stats", "/slots")
             or path.startswith(("/checkpoints/", "/slots/"))
             or (path == "/metrics" and settings.metrics)
         )
@@ -217,18 +221,37 @@ class CheckpointRoutes:
     async def prometheus(self, request: Request, caller: Caller) -> Response:
         return Response(await run_in_threadpool(self.metrics.render), media_type=CONTENT_TYPE)
 
+    async def slot_list(self, request: Request, caller: Caller) -> Response:
+        """Every slot of every model, as llama.cpp's server lists them: whether a request holds it, its context,
+        and (for the caller's own state only) the tokens and checkpoints it holds."""
+        namespace = self._scope_of(caller)
+        views = []
+        for name, manager in self.managers().items():
+            for controller in manager.slots:
+                slot = controller.slot
+                view: dict[str, Any] = {"id": slot.id, "model": name, "is_processing": controller.busy,
+                                        "n_ctx": controller.backend.n_ctx}
+                if namespace is None or slot.namespace == namespace:
+                    view.update(n_tokens=slot.n_tokens, n_checkpoints=len(list(slot.checkpoints)))
+                views.append(view)
+        return JSONResponse(views)
+
     async def slots(self, request: Request, caller: Caller) -> Response:
         slot_text = request.path_params["slot_id"]
         if not _SLOT_ID.fullmatch(slot_text):
             return error_response(400, "invalid_request", f"slot id must be a decimal number, got {slot_text!r}")
         managers = unique_managers(self.managers())
         slot_id = int(slot_text)
-        if slot_id != 0 or not managers:
-            return error_response(404, "not_found", f"no slot {slot_id} (each loaded model has slot 0)")
+        n_slots = len(managers[0].slots) if managers else 0
+        if slot_id >= n_slots:
+            return error_response(404, "not_found", f"no slot {slot_id} (the loaded model has {n_slots})")
         manager = managers[0]
+        if manager.slots[slot_id].busy:
+            # A generation owns the slot's memory until its last token: a file action now would tear it.
+            return error_response(409, "slot_busy", f"slot {slot_id} is generating; retry when it is idle")
         action = dict(parse_qsl(request.url.query)).get("action", "")
         if action == "erase":
-            result = await run_in_threadpool(manager.erase_slot, caller.namespace)
+            result = await run_in_threadpool(manager.erase_slot, caller.namespace, slot_id)
             return JSONResponse({"id_slot": slot_id, **result})
         if action not in ("save", "restore"):
             return error_response(400, "invalid_request", "action must be save, restore or erase")
@@ -249,13 +272,13 @@ class CheckpointRoutes:
         if action == "save":
             if target.is_dir():
                 return error_response(400, "invalid_request", "the file name names a directory")
-            result = await run_in_threadpool(manager.save_slot, target, caller.namespace)
+            result = await run_in_threadpool(manager.save_slot, target, caller.namespace, slot_id)
             return JSONResponse({"id_slot": slot_id, "filename": filename, "n_saved": result["n_saved"],
                                  "n_written": result["n_written"], "timings": {"save_ms": result["save_ms"]}})
         if target.is_dir():
             return error_response(400, "invalid_request", "the file name names a directory")
         if not target.is_file():
             raise SlotFileNotFoundError(f"no slot file {filename!r}")
-        result = await run_in_threadpool(manager.restore_slot, target, caller.namespace)
+        result = await run_in_threadpool(manager.restore_slot, target, caller.namespace, slot_id)
         return JSONResponse({"id_slot": slot_id, "filename": filename, "n_restored": result["n_restored"],
                              "n_read": result["n_read"], "timings": {"restore_ms": result["restore_ms"]}})

@@ -2,15 +2,18 @@
 
 Pure, like :mod:`ckpt_plugin.policy` (whose memory rules it uses): the engine pauses at :func:`pause_points` and the
 default plugin decides at each pause with :func:`want_checkpoint`, over the same :class:`CheckpointRules`, the same
-closing position (:func:`prompt_end_checkpoint`) and the same branch point (:func:`branch_point`).
+closing position (:func:`prompt_end_checkpoint`) and the same branch point (:func:`branch_point`). Both weigh a
+checkpoint's copy against the evaluation it saves (:meth:`~ckpt_plugin.costs.Rates.capture_pays`) with the rates the
+rules carry, so a capture that costs more than it can save is neither paused for nor taken.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .checkpoint import Checkpoint
+from .costs import CostModel
 from .policy import MemoryKind, Plan
 
 
@@ -20,10 +23,20 @@ class CheckpointRules:
 
     :ivar max_checkpoints: Checkpoints kept per slot (llama.cpp's ``n_ctx_checkpoints``).
     :ivar min_step: Minimum spacing in tokens between two checkpoints taken inside a prompt.
+    :ivar costs: The engine's measured rates (one model per engine, shared by its slots and its default plugin):
+        placement skips a capture whose copy costs more than the evaluation it saves. A fresh model's rates are
+        CPU-like, under which every capture pays.
     """
 
     max_checkpoints: int = 32
     min_step: int = 256
+    costs: CostModel = field(default_factory=CostModel, compare=False, repr=False)
+
+    def capture_pays(self, n_saved: int) -> bool:
+        """Whether a checkpoint saving a later prompt ``n_saved`` tokens of evaluation is worth its copy (always,
+        when plans are not weighed by cost)."""
+        rates = self.costs.active_rates()
+        return rates is None or rates.capture_pays(n_saved)
 
 
 def default_min_step(kind: MemoryKind) -> int:
@@ -72,22 +85,19 @@ def want_checkpoint(
     """Whether to take a checkpoint with ``position`` prompt tokens in memory.
 
     Taken only on memories that need checkpoints, never on an empty memory (``pos_min < 0``) nor past the prompt's
-    end. Always at :func:`prompt_end_checkpoint` and at the prompt's ``branch`` point (:func:`branch_point`);
-    elsewhere when at least ``min_step`` tokens past the newest checkpoint.
+    end. At :func:`prompt_end_checkpoint` and at the prompt's ``branch`` point (:func:`branch_point`); elsewhere when
+    at least ``min_step`` tokens past the newest checkpoint; in each case only if the capture pays for itself
+    (:meth:`CheckpointRules.capture_pays`: always, unless copying is dearer than evaluating the tokens it saves).
     """
     if not kind.needs_checkpoints or pos_min < 0 or position <= 0 or position > prompt_end:
         return False
     if checkpoints and checkpoints[-1].n_tokens >= position:
         return False
     closing = prompt_end_checkpoint(kind, prompt_end)
-    if position == closing:
-        return True
-    if position > closing:
-        return False
-    if position == branch:
-        return True
     last = checkpoints[-1].n_tokens if checkpoints else 0
-    return position - last >= rules.min_step
+    if position > closing or (position not in (closing, branch) and position - last < rules.min_step):
+        return False
+    return rules.capture_pays(position - last)
 
 
 def pause_points(
@@ -126,6 +136,12 @@ def pause_points(
         points.add(branch)
     if start < closing < end:
         points.add(closing)
-    return sorted(points)
+    # No pause for a capture that would not pay for itself (want_checkpoint would decline it).
+    kept, previous = [], max(last_checkpoint, 0)
+    for point in sorted(points):
+        if rules.capture_pays(point - previous):
+            kept.append(point)
+            previous = point
+    return kept
 
 

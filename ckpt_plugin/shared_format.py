@@ -6,8 +6,9 @@ An entry of partition (model fingerprint, namespace) is stored as
   :mod:`ckpt_plugin.persist` (versioned, fingerprinted, BLAKE2b digests of the header and of the whole) with the
   required file flag :data:`~ckpt_plugin.persist.FILE_BLOB_REFS`: each blob payload is a 24-byte reference (the
   XXH3-128 digest of the state bytes and their length) instead of the bytes;
-- one **blob** per distinct state buffer under ``<prefix>:<fp>:<ns>:b:<xxh3-128>``: the raw state bytes, checked
-  against the digest that names them. Entries that share a checkpoint (a conversation's turns, branches of one
+- one **blob** per distinct state buffer under ``<prefix>:<fp>:<ns>:b:<xxh3-128>``: the raw state bytes (a target
+  state, or an extra state of any name: a draft model's, a speculative decoder's, a plugin's), checked against the
+  digest that names them. Entries that share a checkpoint (a conversation's turns, branches of one
   prefix) reference one blob, stored once, as the RAM cache counts a shared buffer once;
 - one **index** key per whole block of :data:`BLOCK_TOKENS` tokens of the entry, under
   ``<prefix>:<fp>:<ns>:i:<chained hash>``, whose value is the id of the newest entry holding that prefix. The
@@ -19,6 +20,11 @@ An entry of partition (model fingerprint, namespace) is stored as
 settings or other tenants compute other keys and never read each other's values, and the manifest records both in
 full, checked on every read. Nothing is ever unpickled: manifests are parsed field by field by :mod:`persist`, blobs
 are bytes checked by their digest.
+
+Manifests are written in :data:`WIRE_VERSION` (the persistence format's 2.0: each extra state a named reference);
+manifests of 1.0, whose records referenced a draft and a speculative blob in fixed places, are read as well, so the
+entries earlier replicas wrote stay usable. A replica that reads only 1.0 refuses a 2.0 manifest (a miss, and it
+deletes the value), so replicas sharing a server move to 2.0 together, or the new ones use another ``prefix``.
 """
 
 from __future__ import annotations
@@ -39,12 +45,16 @@ except ImportError:  # pragma: no cover - the redis extra is missing: SharedTier
     xxhash = None
 
 from .cache import CacheEntry
-from .checkpoint import Checkpoint, StateBuffer, as_state_buffer
+from .checkpoint import TARGET, Checkpoint, StateBuffer, as_state_buffer
 from .errors import CorruptFileError
-from .persist import decode_entry, encode_entry
+from .persist import FORMAT_VERSION, decode_entry, encode_entry
 from .eviction import checkpoints_to_erase
 from .policy import common_prefix
 
+WIRE_VERSION = (2, 0)
+"""The manifest layout written: the persistence format's version (extra states as named blob references). Values of
+1.0 are read too (see the module docstring)."""
+assert WIRE_VERSION == FORMAT_VERSION, "manifests are written in the persistence format's newest version"
 BLOCK_TOKENS = 32
 """Tokens per index block: a stored prefix is found to the block, its exact length read from the manifest."""
 MAX_LOOKUP_BLOCKS = 1024
@@ -158,15 +168,15 @@ class Manifest:
     tokens, positions and checkpoints are all there), and the references of each of its records."""
 
     entry: CacheEntry
-    refs: Mapping[int, dict[str, BlobRef]]  # id(record) -> {"target": ref, "draft": ..., ...}
+    refs: Mapping[int, dict[str, BlobRef]]  # id(record) -> {"target": ref, <extra name>: ref, ...}
 
     @classmethod
     def of(cls, entry: CacheEntry, where: str) -> Manifest:
         """The manifest of ``entry``, whose buffers are encoded :class:`BlobRef` objects."""
         refs = {}
         for record in (entry.state, *entry.checkpoints):
-            refs[id(record)] = {name: BlobRef.decode(buffer, where) for name in ("target", "draft", "speculative")
-                                if (buffer := getattr(record, name)) is not None}
+            refs[id(record)] = {TARGET: BlobRef.decode(record.target, where),
+                                **{name: BlobRef.decode(buffer, where) for name, buffer in record.extra.items()}}
         return cls(entry, refs)
 
     def blobs_of(self, records: Sequence[Checkpoint]) -> dict[bytes, BlobRef]:
@@ -174,9 +184,10 @@ class Manifest:
         return {ref.digest: ref for record in records for ref in self.refs[id(record)].values()}
 
     def resolve(self, record: Checkpoint, blobs: Mapping[bytes, StateBuffer]) -> Checkpoint:
-        """``record`` with its state bytes."""
+        """``record`` with its state bytes (the target's and every extra state's)."""
         refs = self.refs[id(record)]
-        return dataclasses.replace(record, **{name: blobs[ref.digest] for name, ref in refs.items()})
+        return dataclasses.replace(record, target=blobs[refs[TARGET].digest],
+                                   extra={name: blobs[ref.digest] for name, ref in refs.items() if name != TARGET})
 
     def materialize(self, checkpoint: Checkpoint | None, blobs: Mapping[bytes, StateBuffer]) -> CacheEntry:
         """The entry restoring its full state and ``checkpoint`` (one of its records, or ``None``); the other
@@ -213,14 +224,13 @@ def encode_manifest(entry: CacheEntry, digest_of: Callable[[StateBuffer], bytes]
     """
     blobs: dict[bytes, StateBuffer] = {}
 
-    def ref(buffer: StateBuffer | None) -> StateBuffer | None:
-        if buffer is None:
-            return None
+    def ref(buffer: StateBuffer) -> StateBuffer:
         digest = digest_of(buffer)
         blobs[digest] = buffer
         return BlobRef(digest, int(buffer.nbytes)).encode()
 
-    state, *own = [dataclasses.replace(c, target=ref(c.target), draft=ref(c.draft), speculative=ref(c.speculative))
+    state, *own = [dataclasses.replace(c, target=ref(c.target),
+                                       extra={name: ref(buffer) for name, buffer in c.extra.items()})
                    for c in (entry.state, *entry.checkpoints)]
     by_position = {c.n_tokens: c for c in own}
     carried_from: dict[int, Manifest] = {}

@@ -170,8 +170,8 @@ class SharedTier(SharedWrites):
     def partition(self, namespace: str, fingerprint: str) -> Partition:
         key = (namespace, fingerprint)
         partition = self._partitions.get(key)
-        if partition is None:
-            partition = self._partitions[key] = Partition(self.prefix, fingerprint, namespace)
+        if partition is None:  # slots and the write-behind thread ask at once: one object per key all the same
+            partition = self._partitions.setdefault(key, Partition(self.prefix, fingerprint, namespace))
         return partition
 
     def find(self, query: Query) -> list[Hit[CacheEntry]]:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 
 from .cache import CacheEntry
+from .tiers import Admission
 from .shared_format import BLOCK_TOKENS, Manifest, Partition, encode_manifest
 from .write_behind import Job, WriteBehind
 from .shared_support import _FORGETS, _RECENT, FORGET_BATCH, FORGET_SCAN_COUNT, WRITE_DELAY, DigestCache, Reads, SharedCounters
@@ -55,6 +56,11 @@ class SharedWrites:
 
     # -------------------------------------------------------------------------------------------------------------
     # writes
+
+    def admit(self, entry: CacheEntry, admission: Admission) -> bool:
+        """:class:`~ckpt_plugin.tiers.CacheTier`: :meth:`submit` ``entry``, its buffers held (``admission.hold``)
+        until written or dropped; whether it was queued."""
+        return self.submit(entry, admission.hold(entry))
 
     def submit(self, entry: CacheEntry, release: Callable[[], None]) -> bool:
         """Queue ``entry`` for writing after the response; ``release`` runs once it is written or dropped.

@@ -20,14 +20,19 @@ from typing import Sequence
 import numpy as np
 
 from .cache import CacheEntry
+from .cost_probes import CostProbe, live_keep
+from .costs import PlanClock
 from .errors import StateRestoreError
-from .policy import LiveMemory, Plan, plan_prompt
+from .policy import LiveMemory, Plan, plan_prompt, swa_threshold
 from .schedule import branch_point, pause_points
 from .request import current_request
 from .slot_memory import SlotMemory
 from .tiers import Tier
 
 log = logging.getLogger("ckpt_plugin")
+
+_WINDOW_ATTEMPTS = 3
+"""Plans applied at most for one prompt when other slots' decodes keep taking the window's cells meanwhile."""
 
 
 class SlotController(SlotMemory):
@@ -56,9 +61,13 @@ class SlotController(SlotMemory):
         """
         slot = self.slot
         live = LiveMemory(slot.lineage, slot.n_tokens, int(self.backend.pos_min()), slot.checkpoints)
-        hits = self.store.lookup(slot.namespace, self.fingerprint, prompt, self.kind, max_keep)
-        return plan_prompt(self.kind, prompt, live, hits, self.settings.cache_min_discard,
-                           self.settings.cache_min_tokens, max_keep)
+        rates = self.costs.active_rates()
+        probe = CostProbe(self.costs, rates, len(prompt), lambda: live_keep(self.kind, live, prompt, max_keep))
+        hits = self.store.lookup(slot.namespace, self.fingerprint, prompt, self.kind, max_keep, probe)
+        plan = plan_prompt(self.kind, prompt, live, hits, self.settings.cache_min_discard,
+                           self.settings.cache_min_tokens, max_keep, rates)
+        self.fetch_seconds = probe.fetch_seconds
+        return plan
 
     def prepare(self, prompt: Sequence[int] | np.ndarray, max_keep: int | None = None) -> int:
         """Make the memory hold the longest prefix of ``prompt`` that can be served without evaluation.
@@ -74,41 +83,90 @@ class SlotController(SlotMemory):
         slot = self.slot
         self.reconcile()
         self.enter_namespace(self.current_namespace())
-        self.counters.prompts += 1
+        self.counters.add(prompts=1)
         just_loaded = self._loaded_from_cache == slot.version
-        plan = self.plan(prompt, max_keep)
-        self.branch_point = branch_point(self.kind, self.rules, plan)
-        if plan.entry is not None and plan.tier != Tier.RAM:
-            if plan.tier == Tier.DISK:
-                self.counters.disk_hits += 1
-            self.store.promote(plan.entry, plan.tier)
-        if plan.park_live:
-            self.save_to_cache()
+        plan, window = self._settle(prompt, max_keep)
         entry, n_keep = plan.entry, plan.n_keep
+        started = time.perf_counter()
         try:
-            self._apply(plan)
+            plan = self._apply_checked(plan, window, prompt, max_keep)
+            entry, n_keep = plan.entry, plan.n_keep
         except StateRestoreError as exc:
             # The slot was cleared: serve the request by evaluating its whole prompt, as the host alone would.
             log.warning("restore failed, evaluating the whole prompt: %s", exc)
-            self.counters.restore_failures += 1
+            self.counters.add(restore_failures=1)
             entry, n_keep = None, 0
-        live = plan.live
-        if entry is None and n_keep < live.n_common:
-            self.counters.forced_reprocess += 1
-            self.counters.tokens_reprocessed += live.n_common - n_keep
+        # Tokens the plan chose to evaluate although it could keep them are the cost model's, not forced.
+        live, kept = plan.live, max(n_keep, plan.live.n_keep) if plan.by_cost and entry is None else n_keep
+        if entry is None and kept < live.n_common:
+            self.counters.add(forced_reprocess=1, tokens_reprocessed=live.n_common - kept)
             reason = (
                 "recurrent state cannot be truncated" if self.kind.recurrent else "sliding window lost the prefix"
             )
-            log.info("re-processing %d tokens the memory shared with the prompt: %s", live.n_common - n_keep, reason)
+            log.info("re-processing %d tokens the memory shared with the prompt: %s", live.n_common - kept, reason)
             self.hooks.call(self.hooks.hook.on_full_reprocess, slot=slot, n_common=live.n_common, reason=reason)
-        if entry is None and live.n_keep < max(len(prompt) - 1, 0) and not just_loaded:
-            self.counters.cache_misses += 1
-        self.counters.tokens_reused += n_keep
+        if entry is None and live.n_keep < max(len(prompt) - 1, 0) and not just_loaded and not plan.by_cost:
+            self.counters.add(cache_misses=1)
+        if plan.estimated_seconds > 0 and self.costs.calibrated:
+            self.plan_clock = PlanClock(plan.estimated_seconds, len(prompt), n_keep, plan.most_tokens, plan.tier,
+                                        plan.by_cost, plan.fetches_skipped,
+                                        self.fetch_seconds + time.perf_counter() - started)
+        self.counters.add(tokens_reused=n_keep)
         self.pin_slot()
         scope = current_request.get()
         if scope is not None:
             scope.prompt_tokens, scope.cached_tokens = len(prompt), n_keep
         return n_keep
+
+    def _settle(self, prompt: np.ndarray, max_keep: int | None) -> tuple[Plan[CacheEntry], int]:
+        """:meth:`plan`, with what it asks for before the restore: its branch point, the promotion of an entry of a
+        lower tier, the live state parked; and where the sequence's window started when the plan looked."""
+        window = int(self.backend.pos_min())
+        plan = self.plan(prompt, max_keep)
+        self.branch_point = branch_point(self.kind, self.rules, plan)
+        if plan.entry is not None and plan.tier != Tier.RAM:
+            if plan.tier == Tier.DISK:
+                self.counters.add(disk_hits=1)
+            self.store.promote(plan.entry, plan.tier)
+        if plan.park_live:
+            self.save_to_cache()
+        return plan, window
+
+    def _apply_checked(self, plan: Plan[CacheEntry], window: int, prompt: np.ndarray,
+                       max_keep: int | None) -> Plan[CacheEntry]:
+        """:meth:`_apply` ``plan``, made when the window started at ``window``; return the plan applied.
+
+        The sequences of a context share its KV cells: a decode of another slot may take cells of this sequence's
+        sliding window that its own next token no longer sees (its end being further on), which moves ``pos_min``
+        up (llama.cpp keeps a sequence's positions contiguous, and nothing else moves it while this slot prepares).
+        A plan whose window moved since it looked is made again; after the restore or cut, the window must reach
+        back as far as the token at ``n_keep`` sees, which nothing can take from it any more. Were it taken in the
+        instant between the last look and the cut, the memory serves nothing of the prompt (its end no longer
+        continues): the slot is cleared and planned again from the tiers. No lock is held against the other slots'
+        decodes, which a batching host runs together.
+        """
+        for attempt in range(1, _WINDOW_ATTEMPTS + 1):
+            if self.kind.swa and attempt < _WINDOW_ATTEMPTS and int(self.backend.pos_min()) != window:
+                log.debug("slot %d: another sequence took cells of its window since the plan; planning again",
+                          self.slot.id)
+                plan, window = self._settle(prompt, max_keep)
+                continue
+            self._apply(plan)
+            if self._window_serves(plan.n_keep):
+                return plan
+            log.info("slot %d: another sequence took cells of its window before the cut to %d tokens; clearing it",
+                     self.slot.id, plan.n_keep)
+            self.clear_slot()
+            if attempt < _WINDOW_ATTEMPTS:
+                plan, window = self._settle(prompt, max_keep)
+        raise StateRestoreError(f"the window of slot {self.slot.id} kept moving under its plans; the slot was cleared")
+
+    def _window_serves(self, n_keep: int) -> bool:
+        """Whether the memory, cut to ``n_keep`` tokens, holds the window the token at ``n_keep`` sees (-1: the cut
+        left nothing of a window taken past it)."""
+        if not self.kind.swa or n_keep == 0:
+            return True
+        return 0 <= int(self.backend.pos_min()) <= swa_threshold(self.kind, n_keep)
 
     def _apply(self, plan: Plan[CacheEntry]) -> None:
         """Make the memory hold ``plan.n_keep`` tokens: truncate, or restore the entry and/or a checkpoint."""
@@ -119,19 +177,19 @@ class SlotController(SlotMemory):
             return
         started = time.perf_counter()
         if entry is not None:
-            self.counters.cache_hits += 1
+            self.counters.add(cache_hits=1)
             self.hooks.call(self.hooks.hook.on_cache_hit, slot=slot, entry=entry, n_tokens=n_keep)
             if plan.restore_state:
                 self._restore(entry.state)
             self.store.touch(entry)
         if plan.checkpoint is not None:
             self._restore(plan.checkpoint)
-            self.counters.checkpoints_restored += 1
+            self.counters.add(checkpoints_restored=1)
         self._cut(n_keep)
         if entry is not None:
             self._adopt(entry.tokens, entry.checkpoints, n_keep)
         self.last_restore_seconds = time.perf_counter() - started
-        self.counters.restore_seconds += self.last_restore_seconds
+        self.counters.add(restore_seconds=self.last_restore_seconds)
         self.hooks.call(self.hooks.hook.on_slot_restore, slot=slot, checkpoint=plan.checkpoint, entry=entry,
                         n_tokens=n_keep)
 
@@ -156,11 +214,13 @@ class SlotController(SlotMemory):
             if a == b:
                 continue
             chunk = tokens[a - start : b - start]
+            decoding = time.perf_counter()
             self.backend.decode(chunk)
+            self._decoded(a, b, time.perf_counter() - decoding)
             rewritten_from = slot._append(chunk)
             if rewritten_from is not None:
                 self._invalidate_after(rewritten_from)
-            self.counters.tokens_evaluated += len(chunk)
+            self.counters.add(tokens_evaluated=len(chunk))
             # The last full capture describes the old memory: do not keep its bytes alive for nothing.
             self._full_capture = None
             if b == branch and b < end and b < slot.n_lineage and slot.lineage[b] != tokens[b - start]:
@@ -172,3 +232,13 @@ class SlotController(SlotMemory):
         if start < branch <= end:
             self.branch_point = 0  # one prompt's, spent by the evaluation that passed it
         self.pin_slot()
+
+    def _decoded(self, start: int, end: int, seconds: float) -> None:
+        """Tokens ``start:end`` were decoded in ``seconds``: an evaluation rate, and part of the prompt's plan."""
+        self.costs.observe_eval(end - start, seconds)
+        clock = self.plan_clock
+        if clock is not None and start < clock.prompt_end:
+            clock.seconds += seconds
+            if end >= clock.prompt_end:
+                self.plan_clock = None
+                self.costs.record_plan(clock)

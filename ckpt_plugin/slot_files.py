@@ -1,8 +1,8 @@
 """Slot files: the live slot written to and read from a file (llama.cpp server's ``/slots/{id}?action=save``).
 
-The file holds the tokens, the full state, the checkpoints and the draft and speculative state in the project's
-format (:mod:`ckpt_plugin.persist`), with the saving caller's namespace. Each operation holds the manager's lock for
-its whole length: no request can use the slot meanwhile.
+The file holds the tokens, the full state, the checkpoints and their extra states (a draft model's, a speculative
+decoder's, any plugin's) in the project's format (:mod:`ckpt_plugin.persist`), with the saving caller's namespace.
+Each operation holds the slot's lock for its whole length: no request can use the slot meanwhile.
 
 A restore reads the file once into state buffers of the manager's pool and validates those bytes; the file is never
 mapped, so a slot file truncated or rewritten while (or after) it is restored cannot fault the server (``SIGBUS``).
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 def save_slot(controller: SlotView, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:
-    """Write the slot (tokens, full state, checkpoints, draft and speculative state) to ``path`` atomically.
+    """Write the slot (tokens, full state, checkpoints, extra states) to ``path`` atomically.
 
     :param namespace: The caller's namespace (the manager's own by default); the file records it.
     :raises EmptySlotError: The slot holds nothing of ``namespace`` (another tenant's state is never saved).
@@ -61,8 +61,7 @@ def restore_slot(controller: SlotView, path: str | os.PathLike[str],
         # The cache's pool: the restored buffers are pinned against its budget and recycled within it.
         entry = read_entry(path, expected_fingerprint=controller.fingerprint, pool=controller.store.ram.pool)
     except CorruptFileError:
-        with controller.lock:  # the counters are the request path's, updated under this lock
-            controller.counters.corrupt_slot_files += 1
+        controller.counters.add(corrupt_slot_files=1)
         raise
     if entry.namespace != namespace:
         raise ForeignNamespaceError("the slot file was saved by another namespace")

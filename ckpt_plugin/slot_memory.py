@@ -18,6 +18,7 @@ import numpy as np
 from .cache import CacheEntry
 from .checkpoint import Checkpoint
 from .config import CheckpointSettings
+from .costs import RAM, PlanClock
 from .errors import CaptureError, StateRestoreError
 from .eviction import checkpoints_to_erase, slot_checkpoint_limit
 from .policy import MemoryKind
@@ -60,12 +61,19 @@ class SlotMemory:
         self.hooks = hooks
         self.captures = captures
         self.lock = threading.Lock()
+        # Set by the host-facing layer while a generation holds the slot (across its tokens, not only its calls).
+        self.busy = False
         self.slot = Slot(slot_id, backend.n_ctx)
         self.slot.namespace = settings.namespace
         self.last_restore_seconds = 0.0
         self._full_capture: tuple[int, Checkpoint] | None = None
         self.branch_point = 0
         self._loaded_from_cache = -1
+        # The engine's measured rates (one model in the engine's rules); the setting says whether they decide.
+        self.costs = rules.costs
+        self.costs.enabled = settings.plan_by_cost
+        self.plan_clock: PlanClock | None = None
+        self.fetch_seconds = 0.0
 
     @property
     def kind(self) -> MemoryKind:
@@ -83,15 +91,22 @@ class SlotMemory:
         self.store.ram.pin(self.slot, ())
 
     def _capture(self, partial: bool) -> Checkpoint | None:
-        return self.captures.capture(self.backend, self.slot, partial)
+        started = time.perf_counter()
+        captured = self.captures.capture(self.backend, self.slot, partial)
+        if captured is not None:
+            self.costs.observe_capture(captured.target.nbytes, time.perf_counter() - started, partial,
+                                       captured.n_tokens)
+        return captured
 
     def _restore(self, checkpoint: Checkpoint) -> None:
+        started = time.perf_counter()
         try:
             self.captures.restore(self.backend, checkpoint)
         except StateRestoreError:
             # llama.cpp leaves the sequence undefined after a failed load: start from an empty one.
             self.clear_slot()
             raise
+        self.costs.observe_transfer(RAM, checkpoint.target.nbytes, time.perf_counter() - started)
 
     def checkpoint(self) -> Checkpoint | None:
         """Take a partial checkpoint of the slot now and keep it (``None`` if the capture failed)."""
@@ -100,7 +115,7 @@ class SlotMemory:
         if checkpoint is None:
             return None
         slot.checkpoints.append(checkpoint)
-        self.counters.checkpoints_created += 1
+        self.counters.add(checkpoints_created=1)
         limit = slot_checkpoint_limit(self.settings.max_checkpoints, self.store.ram.entry_budget, checkpoint.nbytes)
         released = []
         for victim in checkpoints_to_erase(slot.checkpoints, limit):
@@ -119,7 +134,7 @@ class SlotMemory:
         self.store.pin(self.slot, buffers)
 
     def _erased(self, checkpoint: Checkpoint, reason: str) -> None:
-        self.counters.checkpoints_erased += 1
+        self.counters.add(checkpoints_erased=1)
         self.hooks.call(self.hooks.hook.on_checkpoint_erased, slot=self.slot, checkpoint=checkpoint, reason=reason)
 
     def clear_slot(self) -> None:
@@ -166,11 +181,11 @@ class SlotMemory:
         self.pin_slot()
         if self.store.contains(entry):
             # A host that consults its cache itself (``Llama.load_state(cache[key])``) hits through here.
-            self.counters.cache_hits += 1
+            self.counters.add(cache_hits=1)
             self.store.touch(entry)
             self._loaded_from_cache = self.slot.version
         self.last_restore_seconds = time.perf_counter() - started
-        self.counters.restore_seconds += self.last_restore_seconds
+        self.counters.add(restore_seconds=self.last_restore_seconds)
         self.hooks.call(self.hooks.hook.on_slot_restore, slot=self.slot, checkpoint=None, entry=entry,
                         n_tokens=self.slot.n_tokens)
         return self.slot.n_tokens

@@ -4,10 +4,10 @@
   vocabulary. Its context is kept in step with the target incrementally by a checkpoint manager of its own (only new
   tokens are evaluated; rejected drafts are rolled back by truncation), and it drafts ``n_draft`` tokens greedily.
 - :class:`DraftStatePlugin`: stores the draft context's state with every checkpoint and cache entry of the target
-  (``on_checkpoint_capture``) and puts it back after the target was restored (``on_slot_restore``), so that after a
+  (``on_checkpoint_capture``, as the extra state named ``"draft"``) and puts it back after the target was restored (``on_slot_restore``), so that after a
   restore the draft evaluates only the tokens past the checkpoint.
 - :class:`NgramDraft`: prompt-lookup drafting over an incremental n-gram index, and :class:`NgramStatePlugin`, which
-  stores that index with the checkpoints: the example of a speculative-state plugin.
+  stores that index with the checkpoints (extra state ``"speculative"``): the example of a speculative-state plugin.
 
 What a checkpoint keeps of the target: only its sequence state. llama-cpp-python's ``logits_all`` (forced on by any
 ``draft_model``) makes ``Llama.save_state`` copy an ``n_tokens x n_vocab`` float array; checkpoints never hold logits,
@@ -26,9 +26,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from .cache import CacheEntry
-from .checkpoint import Checkpoint, ExtraState, StateBufferPool, allocate_state_buffer, freeze
+from .checkpoint import DRAFT, SPECULATIVE, Checkpoint, ExtraState, StateBufferPool, allocate_state_buffer, freeze
 from .errors import IncompatibleStateError, UnsupportedHostError
-from .hooks import hookimpl
+from .hooks import hookimpl, restored_extra
 from .hosts.llama_cpp.attach import attach
 from .hosts.llama_cpp.context import last_logits, LlamaDraftModel, vocab_digest
 from .manager import CheckpointManager
@@ -134,14 +134,14 @@ class DraftStatePlugin:
             return None
         header = _MAGIC + draft.fingerprint.encode()[:48].ljust(48, b"\0") + int(n_tokens).to_bytes(8, "little")
         buffer[:HEADER] = np.frombuffer(header, dtype=np.uint8)
-        return ExtraState("draft", freeze(buffer))
+        return ExtraState(DRAFT, freeze(buffer))
 
     @hookimpl(tryfirst=True)
     def on_slot_restore(
         self, manager: CheckpointManager, slot: Any, checkpoint: Checkpoint | None, entry: CacheEntry | None,
         n_tokens: int,
     ) -> None:
-        data = checkpoint.draft if checkpoint is not None else entry.state.draft if entry is not None else None
+        data = restored_extra(DRAFT, checkpoint, entry)
         if data is None:
             return
         draft = self.draft.manager
@@ -160,7 +160,7 @@ class DraftStatePlugin:
 
     def _drop(self, manager: CheckpointManager, why: str) -> None:
         self.dropped += 1
-        manager.counters.draft_dropped += 1
+        manager.counters.add(draft_dropped=1)
         log.warning("draft state dropped: %s; the draft catches up by evaluating the prompt", why)
 
 
@@ -243,20 +243,20 @@ class NgramStatePlugin:
         self, manager: CheckpointManager, slot: Any, n_tokens: int, partial: bool
     ) -> ExtraState | None:
         self.ngram.update(slot.tokens)
-        return ExtraState("speculative", freeze(self.ngram.state()))
+        return ExtraState(SPECULATIVE, freeze(self.ngram.state()))
 
     @hookimpl
     def on_slot_restore(
         self, manager: CheckpointManager, slot: Any, checkpoint: Checkpoint | None, entry: CacheEntry | None,
         n_tokens: int,
     ) -> None:
-        data = checkpoint.speculative if checkpoint is not None else entry.state.speculative if entry else None
+        data = restored_extra(SPECULATIVE, checkpoint, entry)
         if data is None:
             return
         try:
             self.ngram.load(data)
         except ValueError as exc:
-            manager.counters.draft_dropped += 1
+            manager.counters.add(draft_dropped=1)
             log.warning("speculative state dropped: %s", exc)
 
 

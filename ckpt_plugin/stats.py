@@ -6,7 +6,6 @@ cache, never the context.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,6 +23,8 @@ def manager_stats(manager: EngineView) -> dict[str, Any]:
     ``corrupt_files`` counts the files that failed validation: slot files this manager was asked to restore
     (``corrupt_slot_files``) plus the disk tier's (at its start-up scan and when read); a disk tier shared by
     several managers shows its count under each, as it does ``disk_entries``.
+    ``costs`` holds the measured rates (seconds per evaluated token by batch size, each tier's fixed cost and
+    bandwidth) and the plans' estimated and actual times (:meth:`ckpt_plugin.costs.CostModel.snapshot`).
     """
     cache = manager.cache
     slots = [controller.slot for controller in manager.slots]
@@ -37,9 +38,9 @@ def manager_stats(manager: EngineView) -> dict[str, Any]:
             unique[id(buffer)] = int(buffer.nbytes)
             referenced += int(buffer.nbytes)
     slot_only = cache.pinned_only_bytes()
-    out: dict[str, Any] = asdict(manager.counters)
+    out: dict[str, Any] = manager.counters.snapshot()  # one instant: slots count from their own threads
     out.update(
-        bytes_copied=manager.counters.bytes_captured + manager.counters.bytes_restored,
+        bytes_copied=out["bytes_captured"] + out["bytes_restored"],
         resident_bytes=sum(unique.values()),
         referenced_bytes=referenced,
         slot_only_bytes=slot_only,
@@ -56,9 +57,9 @@ def manager_stats(manager: EngineView) -> dict[str, Any]:
         memory_kind=manager.kind.name,
         disk_entries=len(manager.disk) if manager.disk is not None else 0,
         disk_bytes=manager.disk.resident_bytes if manager.disk is not None else 0,
-        corrupt_files=manager.counters.corrupt_slot_files + (manager.disk.corrupt_files if manager.disk is not None
-                                                              else 0),
+        corrupt_files=out["corrupt_slot_files"] + (manager.disk.corrupt_files if manager.disk is not None else 0),
         shared=manager.store.shared.stats() if manager.store.shared is not None else None,
+        costs=manager.rules.costs.snapshot(),
     )
     return out
 

@@ -8,17 +8,18 @@ object over them, with its own events.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from .cache import CacheEntry, PromptCache
 from .checkpoint import StateBuffer
-from .disk_tier import DiskRecord, DiskTier
+from .disk_tier import DiskTier
 from .policy import Hit, MemoryKind
 from .tiers import CacheTier, Query, Tier
 
 if TYPE_CHECKING:
+    from .cost_probes import CostProbe
     from .shared_tier import SharedTier
 
 
@@ -47,6 +48,10 @@ class TieredStore:
     :param disk: The disk tier, written through on admission and read back into buffers of the RAM tier's pool.
     :param events: The owner's admission, victim selection and eviction callbacks.
     :param shared: The shared tier (Redis), written behind on admission and on :meth:`publish`.
+
+    Every tier admits through one signature (:meth:`~ckpt_plugin.tiers.CacheTier.admit`), with the store as the
+    :class:`~ckpt_plugin.tiers.Admission`: the owner's veto and victim selection, evictions reported, buffers held
+    while a tier writes them later.
     """
 
     def __init__(self, ram: PromptCache, disk: DiskTier | None, events: StoreEvents,
@@ -57,19 +62,25 @@ class TieredStore:
         self.shared = shared
 
     def lookup(self, namespace: str, fingerprint: str, prompt: np.ndarray, kind: MemoryKind | None = None,
-               max_keep: int | None = None) -> list[Hit[CacheEntry]]:
+               max_keep: int | None = None, probe: CostProbe | None = None) -> list[Hit[CacheEntry]]:
         """Candidates for ``prompt`` in every tier, RAM first; nothing is fetched (read) until a hit's ``fetch``.
 
         The shared tier is asked only with the memory ``kind`` (its fetch brings only what a plan of that kind
         restores), and only for prefixes longer than the local tiers hold (``max_keep`` as for the planner).
+        With a ``probe``, the tiers are asked through it (their round trips and fetches are timed).
         """
         limit = max(len(prompt) - 1, 0) if max_keep is None else max(0, min(len(prompt) - 1, max_keep))
         query = Query(namespace, fingerprint, prompt, kind, limit, self.ram.pool)
         hits: list[Hit[CacheEntry]] = []
         for tier in self.tiers():
             offered = min(max((hit.n_common for hit in hits), default=0), limit)
-            hits += tier.find(query.offering(offered))
+            asked = query.offering(offered)
+            hits += tier.find(asked) if probe is None else probe.find(self.tier_name(tier), tier, asked)
         return hits
+
+    def tier_name(self, tier: CacheTier) -> Tier:
+        """The name of one of the store's tiers."""
+        return Tier.RAM if tier is self.ram else Tier.DISK if tier is self.disk else Tier.SHARED
 
     def tiers(self) -> list[CacheTier]:
         """The tiers present, fastest first: RAM, disk, shared."""
@@ -78,15 +89,11 @@ class TieredStore:
     def admit(self, entry: CacheEntry, write_through: bool = True) -> bool:
         """Offer ``entry`` to RAM (through the owner's admission and victim selection; evictions are reported), and
         write it through to the disk tier; return whether a tier holds it."""
-        admitted, removed = self.ram.insert(
-            entry, admit=lambda n_bytes: self.events.allow_admission(entry, n_bytes),
-            select_victims=self.events.select_victims,
-        )
-        self._report(removed)
+        admitted = self.ram.admit(entry, self)
         if admitted:
             self.events.admitted(entry)
         if self.disk is not None and write_through:
-            admitted = self.disk.store(entry, self._disk_victims) or admitted
+            admitted = self.disk.admit(entry, self) or admitted
         if write_through:
             self.publish(entry)
         return admitted
@@ -100,11 +107,25 @@ class TieredStore:
 
     def publish(self, entry: CacheEntry) -> bool:
         """Queue ``entry`` for the shared tier; its buffers count against the budget until written (pinned)."""
-        if self.shared is None:
-            return False
+        return self.shared is not None and self.shared.admit(entry, self)
+
+    # the Admission every tier admits through (see ckpt_plugin.tiers.Admission)
+
+    def allow(self, entry: CacheEntry, n_bytes: int) -> bool:
+        return self.events.allow_admission(entry, n_bytes)
+
+    def select_victims(self, candidates: Sequence[Any], n_bytes: int, tier: str) -> Sequence[Any]:
+        return self.events.select_victims(candidates, n_bytes, tier)
+
+    def evicted(self, entry: CacheEntry, reason: str) -> None:
+        self.events.evicted(entry, reason)
+
+    def hold(self, entry: CacheEntry) -> Callable[[], None]:
         ticket = _Queued()
-        self.pin(ticket, list(entry.buffers()))
-        return self.shared.submit(entry, lambda: self.ram.pin(ticket, ()))
+        # The pin is released where it was made, even if the store moves to another RAM tier meanwhile.
+        ram = self.ram
+        self._report(ram.pin(ticket, list(entry.buffers()), self.events.select_victims))
+        return lambda: ram.pin(ticket, ())
 
     def touch(self, entry: CacheEntry) -> None:
         """Mark ``entry`` as just used."""
@@ -145,9 +166,6 @@ class TieredStore:
         if self.shared is not None:
             tiers[Tier.SHARED.value] = self.shared.forget(namespace, fingerprint)
         return tiers
-
-    def _disk_victims(self, records: Sequence[DiskRecord], n_bytes: int) -> Sequence[DiskRecord]:
-        return self.events.select_victims(records, n_bytes, Tier.DISK)
 
     def _report(self, removed: list[tuple[CacheEntry, str]]) -> None:
         for entry, reason in removed:

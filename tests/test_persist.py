@@ -270,8 +270,8 @@ def test_wrong_magic_and_version_are_refused(tmp_path: Path) -> None:
     error = expect_corrupt(path, bad, "bad magic", "offset 0")
     assert error.offset == 0
     newer = bytearray(data)
-    struct.pack_into("<H", newer, 8, 2)
-    error = expect_corrupt(path, newer, "unsupported format version 2.0", "offset 8")
+    struct.pack_into("<H", newer, 8, 3)
+    error = expect_corrupt(path, newer, "unsupported format version 3.0", "offset 8")
     with pytest.raises(CorruptFileError, match="version"):
         read_header(path)
     minor = bytearray(data)
@@ -336,9 +336,14 @@ def length_fields(data: bytes) -> list[tuple[int, int]]:
     offset += -offset % ALIGNMENT + 4 * n_tokens + 32
     offset += -offset % ALIGNMENT
     for _ in range(struct.unpack_from("<I", data, 16)[0]):
-        fields += [(offset, 8), (offset + 32, 8), (offset + 40, 8), (offset + 48, 8)]
-        lengths = struct.unpack_from("<3Q", data, offset + 32)
-        offset += 64 + sum(n + (-n % ALIGNMENT) for n in lengths)
+        # a state record (token count, target length, extra count), then its extra records (name and blob length)
+        fields += [(offset + 8, 8), (offset + 32, 8), (offset + 40, 4)]
+        length, n_extras = struct.unpack_from("<QI", data, offset + 32)
+        offset += 64 + length + (-length % ALIGNMENT)
+        for _ in range(n_extras):
+            fields += [(offset + 4, 4), (offset + 8, 8)]
+            length = struct.unpack_from("<Q", data, offset + 8)[0]
+            offset += 64 + length + (-length % ALIGNMENT)
     assert offset == len(data) - 48
     return fields
 

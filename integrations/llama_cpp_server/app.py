@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, AsyncIterator
 
 import llama_cpp.server.app as host
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 
 from ckpt_plugin import host_compat
+from ckpt_plugin.admission import Admission
 from ckpt_plugin.config import ServeSettings
+from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.grammar_guard import GrammarGuard
 from ckpt_plugin.middleware import CheckpointMiddleware
 
@@ -27,6 +30,9 @@ def create_app(
     :return: The FastAPI app; ``app.state.llama_proxy`` is the proxy (its ``managers`` are the live managers).
     """
     settings = checkpoint_settings or ServeSettings()
+    if settings.parallel > 1 and len(model_settings) > 1:
+        raise ConfigError("parallel > 1 serves one model: the config file names "
+                          f"{len(model_settings)} (use one ckpt-serve per model)")
     original = host.LlamaProxy
     # The host builds its proxy by this module-level name; swap it only while the app is built.
     host.LlamaProxy = functools.partial(CheckpointLlamaProxy, settings=settings)  # type: ignore[misc]
@@ -38,6 +44,11 @@ def create_app(
     app.state.llama_proxy = proxy
     grammars = GrammarGuard()
     app.state.grammar_guard = grammars
+    admission = None
+    if settings.parallel > 1:
+        admission = Admission(settings.parallel, settings.max_queued)
+        serve_without_the_host_lock(app)
+    app.state.admission = admission
     # Every route the host serves is guarded by what it does: llama_cpp.server answers a bad body with a 500, and a
     # few (a grammar it cannot compile, a token id outside the vocabulary) with a dead process.
     app.add_middleware(
@@ -46,6 +57,31 @@ def create_app(
         settings=settings,
         api_key=server_settings.api_key,
         guards=host_route_guards(app, proxy, grammars),
+        admission=admission,
     )
     warm_up(grammars, proxy)
     return app
+
+
+def serve_without_the_host_lock(app: Any) -> None:
+    """Let requests reach a parallel proxy at once.
+
+    ``llama_cpp.server`` hands its model proxy out under two module-level locks, so that one request runs at a time
+    (and, with ``interrupt_requests``, a waiting request cuts the running stream short). With parallel slots, the
+    middleware's admission queue bounds the requests in flight and each gets its own slot: the proxy is handed out
+    without the locks. Models without parallel slots are still served under the host's locks.
+    """
+    locked = getattr(host.get_llama_proxy, "__wrapped__", host.get_llama_proxy)
+
+    async def get_llama_proxy() -> AsyncIterator[Any]:
+        proxy = host_compat.server_llama_proxy(host)
+        if getattr(proxy, "parallel", None) is not None:
+            yield proxy
+            return
+        async with contextlib.asynccontextmanager(locked)() as held:
+            yield held
+
+    get_llama_proxy.__wrapped__ = locked  # type: ignore[attr-defined]
+    # The routes call the module-level name; their ``Depends`` captured the original function.
+    host.get_llama_proxy = get_llama_proxy
+    app.dependency_overrides[locked] = get_llama_proxy

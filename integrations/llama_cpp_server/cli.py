@@ -373,6 +373,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         app = create_app(server, models, checkpoints)
+    except ConfigError as exc:
+        _fail(str(exc))
     except ValueError as exc:  # llama-cpp-python's words for llama.cpp refusing the model or the context
         if str(exc).startswith("Failed to load model from file"):
             _fail(f"llama.cpp could not load {models[0].model}: not a model it supports, or a damaged file "

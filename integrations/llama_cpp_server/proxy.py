@@ -13,6 +13,7 @@ from llama_cpp.server.settings import ModelSettings
 from ckpt_plugin import host_compat
 from ckpt_plugin import CheckpointManager, CheckpointSettings, PromptCache, attach
 from ckpt_plugin.hosts.llama_cpp.attach import open_llama
+from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
 from ckpt_plugin.speculative import enable_speculative
 from ckpt_plugin.config import ServeSettings
 from ckpt_plugin.disk_tier import DiskTier
@@ -50,8 +51,13 @@ class CheckpointLlamaProxy(LlamaProxy):
     before the server closes a model, and the entries stay valid for the reloaded model (same fingerprint), so
     switching back is warm.
 
+    With ``settings.parallel`` > 1 the model is served by :class:`~ckpt_plugin.hosts.llama_cpp.parallel.ParallelLlama`
+    (N slots, batched): each call returns a per-request view of the model, bound to a slot when its generation
+    starts.
+
     :param models: The server's model settings.
     :param settings: Checkpoint settings applied to every model.
+    :ivar parallel: The parallel slots of the loaded model, if ``settings.parallel`` > 1.
     """
 
     def __init__(self, models: list[ModelSettings], settings: ServeSettings) -> None:
@@ -61,6 +67,8 @@ class CheckpointLlamaProxy(LlamaProxy):
         self.checkpoint_settings = CheckpointSettings(
             **settings.model_dump(include=set(CheckpointSettings.model_fields))
         )
+        self.n_parallel = settings.parallel
+        self.parallel: ParallelLlama | None = None
         self.managers: dict[str, CheckpointManager] = {}
         self._caches: dict[str, PromptCache] = {}
         self._disk: DiskTier | None = None
@@ -74,7 +82,9 @@ class CheckpointLlamaProxy(LlamaProxy):
             for manager in self.managers.values():
                 manager.flush()
             self.managers = {}
-        return super().__call__(model)
+        llama = super().__call__(model)
+        parallel = self.parallel
+        return parallel.view() if parallel is not None else llama
 
     def load_llama_from_model_settings(self, settings: ModelSettings) -> Any:  # type: ignore[override]
         if self.draft_model is not None:
@@ -91,6 +101,10 @@ class CheckpointLlamaProxy(LlamaProxy):
                 self.checkpoint_settings.cache_max_tokens,
             )
         # One disk tier for all models: its index is partitioned by model fingerprint.
+        if self.n_parallel > 1:
+            self.parallel = ParallelLlama(llama, self.n_parallel, self.checkpoint_settings, cache=cache, disk=self._disk)
+            self.managers = {alias: self.parallel.manager}
+            return llama
         manager = attach(llama, self.checkpoint_settings, cache=cache, disk=self._disk)
         if self.draft_model is not None:
             draft = open_llama(self.draft_model, n_ctx=settings.n_ctx, n_batch=settings.n_batch,

@@ -33,7 +33,8 @@ from ...host_logprobs import CompletionTrace, LogprobsRequest, stop_sequences
 from ...logits import generation_needs
 from ...manager import CheckpointManager
 from ...request import current_request
-from .backend import LlamaBackend
+from ...slot_control import SlotController
+from .backend import HostRows, LlamaBackend
 from .context import _version_tuple
 from .host_cache import HostPromptCache, SharedLlamaState, _tiers_for_host_cache
 
@@ -67,10 +68,11 @@ class _Attachment:
     nothing once a newer one starts, and the memory itself tells the next request what is in it.
     """
 
-    def __init__(self, llama: Llama, manager: CheckpointManager, backend: LlamaBackend) -> None:
+    def __init__(self, llama: Llama, manager: CheckpointManager, backend: HostRows, controller: SlotController) -> None:
         self.llama = llama
         self.manager = manager
         self.backend = backend
+        self.controller = controller
         self.saved = {name: llama.__dict__[name] for name in _PATCHED if name in llama.__dict__}
         self.saved_cache = llama.cache
         self.current: _Generation | None = None
@@ -89,7 +91,8 @@ class _Attachment:
         current = self.current
         return current.prompt_end if current is not None and not current.finished else None
 
-    def install(self) -> None:
+    def patch_methods(self) -> None:
+        """Install the patched methods on the instance."""
         llama = self.llama
         llama.eval = self.eval
         llama.generate = self.generate
@@ -97,6 +100,10 @@ class _Attachment:
         llama.load_state = self.load_state
         llama.set_cache = self.set_cache
         setattr(llama, host.COMPLETION_METHOD, self.create_completion)
+
+    def install(self) -> None:
+        self.patch_methods()
+        llama = self.llama
         self.backend.take_over_scores()
         if llama.cache is not None:
             self.set_cache(llama.cache)
@@ -117,24 +124,24 @@ class _Attachment:
     # -- patched methods --------------------------------------------------------------------------------------------
 
     def eval(self, tokens: Sequence[int]) -> None:
-        with self.manager.lock:
+        with self.controller.lock:
             self._eval(tokens)
 
     def _eval(self, tokens: Sequence[int]) -> None:
-        llama, manager = self.llama, self.manager
+        llama, controller = self.llama, self.controller
         new = np.asarray(tokens, dtype=np.int32).reshape(-1)
-        manager.reconcile()
+        controller.reconcile()
         n_host = llama.n_tokens
-        slot = manager.slot
+        slot = controller.slot
         if n_host != slot.n_tokens or (len(new) > 1 and not np.array_equal(llama.input_ids[:n_host], slot.tokens)):
             wanted = np.concatenate((llama.input_ids[:n_host].astype(np.int32), new))
-            n_keep = manager.prepare(wanted)
+            n_keep = controller.prepare(wanted)
             self._sync_host(n_keep, wanted)
             new = wanted[n_keep:]
         prompt_end = self.prompt_end
         if prompt_end is None:
             prompt_end = llama.n_tokens + len(new)
-        manager.process(new, prompt_end)
+        controller.process(new, prompt_end)
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """The host's ``_create_completion``, noting the logits the request reads; a request for logprobs runs the
@@ -245,16 +252,17 @@ class _Attachment:
         generation = _Generation()
         reads, self.pending_reads = self.pending_reads, None
         logprobs, echo = reads or (False, False)
-        with self.manager.lock:
+        with self.controller.lock:
             # The newest generation owns the slot: an older one the host abandoned mid-stream is simply superseded.
             self.current = generation
+            self.controller.busy = True
             prompt = np.asarray(tokens, dtype=np.int32)
             generation.prompt_end = len(tokens) if reset else self.llama.n_tokens + len(tokens)
             needs = generation_needs(generation.prompt_end, logprobs=logprobs, echo=echo, stopping_criteria=stopping,
                                      draft=self.llama.draft_model is not None)
             limit = self.backend.begin_generation(needs, prompt if reset else prompt[:0])
             if reset and tokens:
-                n_keep = self.manager.prepare(prompt, max_keep=limit)
+                n_keep = self.controller.prepare(prompt, max_keep=limit)
                 self._sync_host(n_keep, prompt)
         request = current_request.get()
         try:
@@ -271,27 +279,28 @@ class _Attachment:
             generation.finished = True
             if self.current is generation:
                 self.backend.end_generation()
+                self.controller.busy = False
 
     def save_state(self) -> SharedLlamaState:
-        with self.manager.lock:
-            self.manager.reconcile()
-            return SharedLlamaState(self.manager.save(), host.seed(self.llama))
+        with self.controller.lock:
+            self.controller.reconcile()
+            return SharedLlamaState(self.controller.save(), host.seed(self.llama))
 
     def load_state(self, state: LlamaState) -> None:
-        with self.manager.lock:
+        with self.controller.lock:
             if isinstance(state, SharedLlamaState):
-                n_keep = self.manager.load(state.entry)
+                n_keep = self.controller.load(state.entry)
                 self._sync_host(n_keep, state.entry.tokens)
                 host.set_seed(self.llama, state.seed)
                 return
             self.backend.load_host_state(self._load_state, state)
-            self.manager.adopt_memory(np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32))
+            self.controller.adopt_memory(np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32))
 
     def set_cache(self, cache: BaseLlamaCache | None) -> None:
         if cache is None or isinstance(cache, HostPromptCache):
             self.llama.cache = cache
             return
-        with self.manager.lock:
+        with self.controller.lock:
             self.manager.use_shared_tiers(*_tiers_for_host_cache(cache, self.manager.settings))
         self.llama.cache = HostPromptCache(self.manager, self.llama)
 
@@ -350,7 +359,7 @@ def attach(
         raise UnsupportedHostError("this Llama has no context memory (vocab_only, closed, or created without one)")
     backend = LlamaBackend(llama)
     manager = CheckpointManager(backend, settings, cache=cache, disk=disk, **overrides)
-    attachment = _Attachment(llama, manager, backend)
+    attachment = _Attachment(llama, manager, backend, manager.slots[0])
     attachment.install()
     manager.hooks.call(manager.hooks.hook.on_attach)
     return manager

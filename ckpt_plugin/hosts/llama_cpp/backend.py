@@ -12,24 +12,26 @@ from llama_cpp.llama import Llama, LlamaState
 from ... import host_compat as host
 from ...logits import EVERY_ROW, NO_ROWS, LogitsNeeds, max_keep
 from ...policy import common_prefix
-from .context import _flags, _u8_p, _writable_start, fingerprint, last_logits, memory_kind
+from .context import _flags, _u8_p, _writable_start, fingerprint, memory_kind
 
 
-class LlamaBackend:
-    """Sequence 0 of a ``llama_cpp.Llama`` context, as the manager's :class:`~ckpt_plugin.manager.Backend`.
+class HostRows:
+    """A ``Llama``'s evaluation bookkeeping: ``input_ids``, ``n_tokens`` and the ``scores`` rows a generation reads.
 
     Evaluation computes only the logits the current generation reads (``needs``, see :mod:`ckpt_plugin.logits`) and
     keeps the host's ``scores`` array small unless a generation reads its rows: the ``n_ctx x n_vocab`` array a
     ``logits_all=True`` host allocates (4.3 GB of address space for Gemma-3 at n_ctx 4096) is released on attach
     and allocated again only for a request that reads prompt or completion logprobs.
+
+    Subclasses evaluate a chunk (:meth:`_decode_chunk`) and drop positions (:meth:`_forget_after`) on their sequence.
     """
 
-    def __init__(self, llama: Llama) -> None:
+    llama: Llama
+    n_ctx: int
+
+    def _use_host(self, llama: Llama) -> None:
+        """Keep ``llama``'s bookkeeping from now on (its rows start empty)."""
         self.llama = llama
-        self.kind = memory_kind(llama)
-        self.fingerprint = fingerprint(llama)
-        self.n_ctx = int(llama.n_ctx())
-        self._memory = llama_cpp.llama_get_memory(llama.ctx)
         self._n_vocab = int(llama.n_vocab())
         self.host_logits_all = host.wants_all_logits(llama)
         # Outside a generation, a direct ``eval`` gets what the host asked for.
@@ -39,60 +41,33 @@ class LlamaBackend:
         self._full = False
         # The tokens whose logits rows [0, len) of the full array hold; a row depends only on the tokens before it.
         self._row_tokens = np.zeros(0, dtype=np.int32)
+        # The logits rows of the last chunk evaluated (its flagged tokens, in order).
+        self.last_outputs: np.ndarray = np.zeros((0, self._n_vocab), dtype=np.single)
 
-    @property
-    def _ctx(self) -> Any:
-        return self.llama.ctx
+    def _decode_chunk(self, chunk: np.ndarray, n_past: int, first: int) -> np.ndarray:
+        """Evaluate ``chunk`` at positions ``n_past...`` with logits for its tokens ``first..`` (the last always);
+        return those rows (``len(chunk) - first`` of them), valid until the next evaluation."""
+        raise NotImplementedError
 
-    def state_size(self, partial: bool) -> int:
-        return int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, _flags(partial)))
-
-    def read_state(self, buffer: np.ndarray, partial: bool) -> int:
-        return int(
-            llama_cpp.llama_state_seq_get_data_ext(self._ctx, _writable_start(buffer), buffer.nbytes, 0, _flags(partial))
-        )
-
-    def write_state(self, buffer: np.ndarray, partial: bool) -> int:
-        # The read-only buffer is handed over by address: llama.cpp only reads it.
-        return int(
-            llama_cpp.llama_state_seq_set_data_ext(
-                self._ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, 0, _flags(partial)
-            )
-        )
-
-    def pos_min(self) -> int:
-        return int(llama_cpp.llama_memory_seq_pos_min(self._memory, 0))
-
-    def pos_max(self) -> int:
-        return int(llama_cpp.llama_memory_seq_pos_max(self._memory, 0))
-
-    def truncate(self, n_keep: int) -> bool:
-        return bool(llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1))
-
-    def clear(self) -> None:
-        llama_cpp.llama_memory_seq_rm(self._memory, 0, -1, -1)
+    def _forget_after(self, n_past: int) -> None:
+        """Drop the sequence's positions ``>= n_past`` (what the host's ``eval`` does first)."""
+        raise NotImplementedError
 
     def decode(self, tokens: np.ndarray) -> None:
         """``Llama.eval`` with per-token logits flags: llama.cpp computes the logits of each batch's last token and
         of the positions ``needs`` names, not of every token."""
         llama, needs = self.llama, self.needs
-        ctx, batch = host.decode_handles(llama)
-        ctx.kv_cache_seq_rm(-1, llama.n_tokens, -1)
+        self._forget_after(int(llama.n_tokens))
         n_batch = int(llama.n_batch)
         for start in range(0, len(tokens), n_batch):
             chunk = tokens[start : start + n_batch]
             n_past, n = int(llama.n_tokens), len(chunk)
             first = needs.first_output(n_past, n)
-            batch.set_batch(batch=chunk.tolist(), n_past=n_past, logits_all=False)
-            flags = batch.batch.logits
-            for j in range(first, n - 1):
-                flags[j] = True
-            ctx.decode(batch)
+            outputs = self._decode_chunk(chunk, n_past, first)
+            self.last_outputs = outputs
             llama.input_ids[n_past : n_past + n] = chunk
-            self._keep_rows(needs, n_past, chunk, first)
+            self._keep_rows(needs, n_past, chunk, first, outputs)
             llama.n_tokens += n
-
-    # -- the host's logits rows ------------------------------------------------------------------------------------
 
     def _one_row(self) -> np.ndarray:
         # Enough for ``scores[-1]`` (``Llama._scores[-1]``: what a stopping criterion reads).
@@ -113,18 +88,17 @@ class LlamaBackend:
             return 0
         return common_prefix(self._row_tokens, prompt)
 
-    def _keep_rows(self, needs: LogitsNeeds, n_past: int, chunk: np.ndarray, first: int) -> None:
+    def _keep_rows(self, needs: LogitsNeeds, n_past: int, chunk: np.ndarray, first: int, outputs: np.ndarray) -> None:
         n = len(chunk)
         known = len(self._row_tokens)
         if needs.rows_from is not None:
             scores = self._full_scores()
             kept_from = max(0, needs.rows_from - n_past)
             if kept_from < n:
-                outputs = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(n - first, self._n_vocab))
                 scores[n_past + kept_from : n_past + n] = outputs[kept_from - first :]
             if needs.latest_row:
                 # Row 0 now holds another position's logits: no leading row is known exact any more.
-                scores[0] = last_logits(self.llama)
+                scores[0] = outputs[-1]
                 self._row_tokens = self._row_tokens[:0]
                 return
             if kept_from == 0 and known >= n_past:
@@ -133,7 +107,7 @@ class LlamaBackend:
         elif needs.latest_row:
             # Where ``scores[:n_tokens][0]`` and ``[-1]`` both land: a one-row array.
             scores = self.llama.scores
-            scores[min(n_past + n, len(scores)) - 1] = last_logits(self.llama)
+            scores[min(n_past + n, len(scores)) - 1] = outputs[-1]
         if known > n_past:
             self._row_tokens = self._row_tokens[:n_past]
 
@@ -174,3 +148,61 @@ class LlamaBackend:
         if self.host_logits_all and self.exact_rows(llama.input_ids[: llama.n_tokens]) < llama.n_tokens:
             # The host would reuse rows it believes exact: have it evaluate its next prompt in full.
             host.set_evaluated_prefix(llama, llama.input_ids, 0)
+
+
+class LlamaBackend(HostRows):
+    """Sequence 0 of a ``llama_cpp.Llama`` context, as the manager's :class:`~ckpt_plugin.manager.Backend`."""
+
+    def __init__(self, llama: Llama) -> None:
+        self.kind = memory_kind(llama)
+        self.fingerprint = fingerprint(llama)
+        self.n_ctx = int(llama.n_ctx())
+        self._memory = llama_cpp.llama_get_memory(llama.ctx)
+        self._use_host(llama)
+
+    @property
+    def _ctx(self) -> Any:
+        return self.llama.ctx
+
+    def state_size(self, partial: bool) -> int:
+        return int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, _flags(partial)))
+
+    def read_state(self, buffer: np.ndarray, partial: bool) -> int:
+        return int(
+            llama_cpp.llama_state_seq_get_data_ext(self._ctx, _writable_start(buffer), buffer.nbytes, 0, _flags(partial))
+        )
+
+    def write_state(self, buffer: np.ndarray, partial: bool) -> int:
+        # The read-only buffer is handed over by address: llama.cpp only reads it.
+        return int(
+            llama_cpp.llama_state_seq_set_data_ext(
+                self._ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, 0, _flags(partial)
+            )
+        )
+
+    def pos_min(self) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_min(self._memory, 0))
+
+    def pos_max(self) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_max(self._memory, 0))
+
+    def truncate(self, n_keep: int) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1))
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_seq_rm(self._memory, 0, -1, -1)
+
+    def _forget_after(self, n_past: int) -> None:
+        ctx, _ = host.decode_handles(self.llama)
+        ctx.kv_cache_seq_rm(-1, n_past, -1)
+
+    def _decode_chunk(self, chunk: np.ndarray, n_past: int, first: int) -> np.ndarray:
+        ctx, batch = host.decode_handles(self.llama)
+        n = len(chunk)
+        batch.set_batch(batch=chunk.tolist(), n_past=n_past, logits_all=False)
+        flags = batch.batch.logits
+        for j in range(first, n - 1):
+            flags[j] = True
+        ctx.decode(batch)
+        # A view of llama.cpp's own output buffer: no copy.
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(n - first, self._n_vocab))

@@ -27,11 +27,13 @@ class SequenceContext:
     :param llama: Gives the model and the context parameters (threads, flash attention, cache types, window).
     :param n_seq: Sequences (slots).
     :param n_ctx: Cells of the unified KV cache the sequences share (default: ``llama``'s ``n_ctx``).
+    :param seq_n_ctx: The most positions one sequence may hold (default: every cell).
+    :ivar lock: Held around every llama.cpp call on the context (llama.cpp contexts are not thread-safe).
     :ivar kind: The memory kind.
     :ivar fingerprint: What a state of this context must carry to be restored here.
     """
 
-    def __init__(self, llama: Llama, n_seq: int, n_ctx: int | None = None) -> None:
+    def __init__(self, llama: Llama, n_seq: int, n_ctx: int | None = None, seq_n_ctx: int | None = None) -> None:
         if n_seq < 1:
             raise ValueError("a context needs at least one sequence")
         self.llama = llama  # keeps the model alive as long as this context
@@ -46,13 +48,14 @@ class SequenceContext:
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_seq = n_seq
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.seq_n_ctx = min(int(seq_n_ctx or self.n_ctx), self.n_ctx)
         self.n_batch = int(llama_cpp.llama_n_batch(self.ctx))
         self.n_vocab = int(llama.n_vocab())
         self.kind: MemoryKind = memory_kind(llama)
         self.fingerprint = fingerprint_of(llama, params, self.n_ctx, n_seq)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._logits = np.zeros((n_seq, self.n_vocab), dtype=np.single)
-        self._decoding = threading.Lock()  # one llama_decode at a time on the context
+        self.lock = threading.RLock()
         self._closed = False
 
     def sequence(self, seq_id: int) -> SequenceBackend:
@@ -65,7 +68,7 @@ class SequenceContext:
         """Evaluate ``tokens`` after sequence ``seq_id``'s last position, in batches of ``n_batch``; the logits of
         the last token are kept (:meth:`logits`)."""
         batch = self._batch
-        with self._decoding:
+        with self.lock:
             position = int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id)) + 1
             for start in range(0, len(tokens), self.n_batch):
                 chunk = tokens[start : start + self.n_batch]
@@ -117,31 +120,38 @@ class SequenceBackend:
         self.seq_id = seq_id
         self.kind = context.kind
         self.fingerprint = context.fingerprint
-        self.n_ctx = context.n_ctx
+        self.n_ctx = context.seq_n_ctx
 
     def state_size(self, partial: bool) -> int:
-        return int(llama_cpp.llama_state_seq_get_size_ext(self.context.ctx, self.seq_id, _flags(partial)))
+        with self.context.lock:
+            return int(llama_cpp.llama_state_seq_get_size_ext(self.context.ctx, self.seq_id, _flags(partial)))
 
     def read_state(self, buffer: np.ndarray, partial: bool) -> int:
-        return int(llama_cpp.llama_state_seq_get_data_ext(
-            self.context.ctx, _writable_start(buffer), buffer.nbytes, self.seq_id, _flags(partial)))
+        with self.context.lock:
+            return int(llama_cpp.llama_state_seq_get_data_ext(
+                self.context.ctx, _writable_start(buffer), buffer.nbytes, self.seq_id, _flags(partial)))
 
     def write_state(self, buffer: np.ndarray, partial: bool) -> int:
         # The read-only buffer is handed over by address: llama.cpp only reads it.
-        return int(llama_cpp.llama_state_seq_set_data_ext(
-            self.context.ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, self.seq_id, _flags(partial)))
+        with self.context.lock:
+            return int(llama_cpp.llama_state_seq_set_data_ext(
+                self.context.ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, self.seq_id, _flags(partial)))
 
     def pos_min(self) -> int:
-        return int(llama_cpp.llama_memory_seq_pos_min(self.context.memory, self.seq_id))
+        with self.context.lock:
+            return int(llama_cpp.llama_memory_seq_pos_min(self.context.memory, self.seq_id))
 
     def pos_max(self) -> int:
-        return int(llama_cpp.llama_memory_seq_pos_max(self.context.memory, self.seq_id))
+        with self.context.lock:
+            return int(llama_cpp.llama_memory_seq_pos_max(self.context.memory, self.seq_id))
 
     def truncate(self, n_keep: int) -> bool:
-        return bool(llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, n_keep, -1))
+        with self.context.lock:
+            return bool(llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, n_keep, -1))
 
     def clear(self) -> None:
-        llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, -1, -1)
+        with self.context.lock:
+            llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, -1, -1)
 
     def decode(self, tokens: np.ndarray) -> None:
         self.context.decode(self.seq_id, tokens)

@@ -1,0 +1,200 @@
+"""Concurrent chat: U users at once, each a multi-turn conversation, through real HTTP servers, one server at a time.
+
+Every user has its own long system prompt (bench/chat.py's, about 400 tokens here) and fixed assistant turns (so
+every server sees the same prompts); the users' conversations run at the same time, each sending its next turn as
+soon as the previous reply ended. Replies are streamed, up to ``--max-tokens`` tokens (32) at temperature 0. Per
+server: wall time, completion tokens, TTFT p50 / p95 of the turns after the first, failed requests, and how many
+replies equal those of the first ckpt-serve configuration (``--parallel 1``).
+
+Servers (same model, same settings): ckpt-serve ``--parallel 1`` and ``--parallel 4`` (both with
+``--interrupt_requests false``: the host's default cuts a running stream short when the next request arrives);
+``llama_cpp.server --interrupt_requests false`` (``--host-alone``); C++ ``llama-server -np 4`` and ``-np 1`` when an
+executable of that name is on ``PATH``.
+
+Run: ``.venv/bin/python bench/chat.py --concurrent 8,16`` (or this file: ``--users 8,16``, ``--turns 3``,
+``--markdown OUT``, ``--report-json OUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _common import Report, gemma_path  # noqa: E402
+from chat import ASSISTANT_REPLIES, USER_MESSAGES, Config, start, system_prompt, token_counter  # noqa: E402
+
+N_CTX, N_BATCH, N_THREADS = 4096, 512, 2
+SYSTEM_TOKENS = 400
+
+
+@dataclass
+class Turn:
+    user: int
+    turn: int
+    ttft: float | None = None
+    seconds: float = 0.0
+    text: str = ""
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Outcome:
+    label: str
+    users: int
+    wall: float = 0.0
+    turns: list[Turn] = field(default_factory=list)
+
+    @property
+    def later_ttfts(self) -> list[float]:
+        return sorted(t.ttft for t in self.turns if t.turn > 0 and t.ttft is not None)
+
+
+def servers(model: str, host_alone: bool) -> list[Config]:
+    python = sys.executable
+    settings = ["--model", model, "--n_ctx", str(N_CTX), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
+                "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS), "--seed", "0",
+                "--interrupt_requests", "false"]
+    ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings]
+    out = [Config("p1", "ckpt-serve --parallel 1", [*ours, "--parallel", "1"], ckpt=True),
+           Config("p4", "ckpt-serve --parallel 4", [*ours, "--parallel", "4"], ckpt=True)]
+    if host_alone:
+        out.append(Config("host", "llama_cpp.server", [python, "-m", "llama_cpp.server", *settings]))
+    binary = shutil.which("llama-server")
+    if binary:
+        for n in (4, 1):
+            out.append(Config(f"ls{n}", f"llama-server -np {n}", [
+                binary, "-m", model, "-c", str(N_CTX * n), "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t",
+                str(N_THREADS), "-tb", str(N_THREADS), "-np", str(n), "--seed", "0"], health="/health",
+                llama_server=True))
+    return out
+
+
+def conversations(users: int, turns: int, count: Any) -> list[list[list[dict[str, str]]]]:
+    """Per user, the messages of each turn (fixed assistant replies, so every server sees the same prompts)."""
+    out = []
+    for user in range(users):
+        history = [{"role": "system", "content": system_prompt(user, SYSTEM_TOKENS, count)}]
+        per_turn = []
+        for turn in range(turns):
+            history.append({"role": "user", "content": USER_MESSAGES[(user * 3 + turn) % len(USER_MESSAGES)]})
+            per_turn.append([dict(m) for m in history])
+            history.append({"role": "assistant", "content": ASSISTANT_REPLIES[(user + turn) % len(ASSISTANT_REPLIES)]})
+        out.append(per_turn)
+    return out
+
+
+def one_turn(url: str, messages: list[dict[str, str]], max_tokens: int, result: Turn) -> None:
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}"
+                return
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices") or []:
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        if result.ttft is None:
+                            result.ttft = time.perf_counter() - started
+                        result.text += content
+                if chunk.get("usage"):
+                    result.completion_tokens = int(chunk["usage"]["completion_tokens"])
+    except httpx.HTTPError as exc:
+        result.error = type(exc).__name__
+    finally:
+        result.seconds = time.perf_counter() - started
+
+
+def run_server(config: Config, plan: list[list[list[dict[str, str]]]], max_tokens: int) -> Outcome:
+    outcome = Outcome(config.label, len(plan))
+    with start(config) as server:
+        # One warm-up request (not measured): model pages in, kernels ready.
+        one_turn(server.url, [{"role": "user", "content": "Hello"}], 4, Turn(-1, -1))
+
+        def user_loop(user: int) -> None:
+            for turn, messages in enumerate(plan[user]):
+                result = Turn(user, turn)
+                one_turn(server.url, messages, max_tokens, result)
+                outcome.turns.append(result)
+
+        threads = [threading.Thread(target=user_loop, args=(u,)) for u in range(len(plan))]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        outcome.wall = time.perf_counter() - started
+    return outcome
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def run(users: Sequence[int], turns: int, max_tokens: int, host_alone: bool) -> Report:
+    model = gemma_path()
+    count = token_counter(model)
+    report = Report("Concurrent users")
+    report.text(f"Gemma-3-270M (Q4_K_M), n_ctx {N_CTX} per slot, n_batch {N_BATCH}, {N_THREADS} threads; each user a "
+                f"{SYSTEM_TOKENS}-token system prompt of its own and {turns} turns, all users at once, streamed, up to "
+                f"{max_tokens} tokens per reply at temperature 0. One server at a time, same machine.")
+    for n_users in users:
+        plan = conversations(n_users, turns, count)
+        outcomes = [run_server(config, plan, max_tokens) for config in servers(model, host_alone)]
+        base = {(t.user, t.turn): t.text for t in outcomes[0].turns}
+        rows = []
+        for outcome in outcomes:
+            later = outcome.later_ttfts
+            equal = sum(base.get((t.user, t.turn)) == t.text for t in outcome.turns)
+            rows.append([outcome.label, f"{outcome.wall:.1f} s", sum(t.completion_tokens for t in outcome.turns),
+                         f"{percentile(later, 50):.2f} s", f"{percentile(later, 95):.2f} s",
+                         sum(t.error is not None for t in outcome.turns), f"{equal}/{len(outcome.turns)}"])
+        report.text(f"**{n_users} users at once**")
+        report.table(["server", "wall", "completion tokens", "TTFT p50 (turns 2+)", "p95", "failed",
+                      "replies equal to --parallel 1"], rows)
+        p1, p4 = outcomes[0], outcomes[1]
+        report.figure(f"{n_users} users: wall --parallel 4 / --parallel 1", f"{p4.wall / p1.wall:.2f}x", "<= 0.8x")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", default="8,16", help="user counts, comma-separated (default 8,16)")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--host-alone", action="store_true", help="also llama_cpp.server without the plugin")
+    parser.add_argument("--markdown", type=pathlib.Path)
+    parser.add_argument("--report-json", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    report = run([int(u) for u in args.users.split(",")], args.turns, args.max_tokens, args.host_alone)
+    text = report.markdown()
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.report_json:
+        args.report_json.write_text(report.to_json())
+
+
+if __name__ == "__main__":
+    main()

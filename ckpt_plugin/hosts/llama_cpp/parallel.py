@@ -1,0 +1,158 @@
+"""Parallel slots: N conversations at once over one ``Llama``'s weights, batched, with checkpoints per slot.
+
+:class:`ParallelLlama` builds, for a host's ``Llama``:
+
+- a :class:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceContext` with N sequences and a unified KV cache of
+  ``N x n_ctx`` cells, so that every slot holds a whole ``n_ctx`` conversation (a request that fits one slot fits
+  any, as with one);
+- a :class:`~ckpt_plugin.hosts.llama_cpp.scheduler.BatchScheduler` decoding every busy slot's tokens together;
+- one engine (:class:`~ckpt_plugin.manager.CheckpointManager`) with one slot per sequence: checkpoints and cache
+  entries are shared by reference between the slots and the tiers, so a conversation that moves to another slot
+  restores from them;
+- :meth:`ParallelLlama.view`: per request, a :class:`~ckpt_plugin.hosts.llama_cpp.slot_views.SlotLlama` on which the
+  host runs its own completion and chat code. The view is bound to a slot when its generation starts, the point
+  where the prompt's tokens are known: the idle slot sharing the longest prefix with them
+  (:mod:`ckpt_plugin.slot_choice`), leased until the generation ends.
+
+A draft model is not supported with N > 1 (the draft context has one sequence): :class:`ParallelLlama` refuses one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import numpy as np
+from llama_cpp._internals import LlamaTokenDataArray
+from llama_cpp.llama import Llama
+
+from ...cache import PromptCache
+from ...config import CheckpointSettings
+from ...disk_tier import DiskTier
+from ...errors import UnsupportedHostError
+from ...manager import CheckpointManager
+from ...slot_choice import SlotLeases
+from .attach import _Attachment
+from .backend import HostRows
+from .scheduler import BatchScheduler
+from .sequences import SequenceBackend, SequenceContext
+from .slot_views import SlotLlama, view_of
+
+log = logging.getLogger("ckpt_plugin")
+
+
+class ViewBackend(HostRows, SequenceBackend):
+    """One sequence of the shared context as an engine slot's backend, keeping the bookkeeping of whichever view
+    (request) holds the slot, and evaluating through the batch scheduler."""
+
+    def __init__(self, context: SequenceContext, seq_id: int, scheduler: BatchScheduler, llama: Llama) -> None:
+        SequenceBackend.__init__(self, context, seq_id)
+        self.scheduler = scheduler
+        self._use_host(llama)  # until a view binds the slot: only shapes are read from it
+        self._candidates: LlamaTokenDataArray | None = None
+
+    def bind(self, view: SlotLlama) -> None:
+        """Keep ``view``'s bookkeeping from now on (its request holds the slot)."""
+        self._use_host(view)
+        self.take_over_scores()
+        view.sequence.seq_id = self.seq_id
+        view.slot_rows = lambda: self.last_outputs
+        view.candidates = self.candidates
+
+    def candidates(self) -> LlamaTokenDataArray:
+        """The slot's reusable sampling candidates (one vocabulary-sized array per slot, not per request)."""
+        if self._candidates is None:
+            self._candidates = LlamaTokenDataArray(n_vocab=self.context.n_vocab)
+        return self._candidates
+
+    def _forget_after(self, n_past: int) -> None:
+        self.truncate(n_past)
+
+    def _decode_chunk(self, chunk: np.ndarray, n_past: int, first: int) -> np.ndarray:
+        return self.scheduler.decode(self.seq_id, chunk, n_past, first)
+
+
+class _SlotAttachment(_Attachment):
+    """The attachment of one request's view: it leases a slot for each generation and binds the view to it."""
+
+    def __init__(self, view: SlotLlama, parallel: ParallelLlama) -> None:
+        manager = parallel.manager
+        # Slot 0 stands in until a generation leases a slot: nothing runs on it before.
+        super().__init__(view, manager, parallel.backends[0], manager.slots[0])
+        self.parallel = parallel
+
+    def _generate_with_prepare(
+        self, tokens: list[int], reset: bool, stopping: bool, args: tuple, kwargs: dict
+    ) -> Iterator[int]:
+        parallel = self.parallel
+        slot_id = parallel.leases.lease(np.asarray(tokens, dtype=np.int32), self.controller.current_namespace())
+        try:
+            self.controller = parallel.manager.slots[slot_id]
+            self.backend = parallel.backends[slot_id]
+            self.backend.bind(self.llama)
+            with parallel.scheduler.generating(slot_id):
+                yield from super()._generate_with_prepare(tokens, reset, stopping, args, kwargs)
+        finally:
+            parallel.leases.release(slot_id)
+
+
+class ParallelLlama:
+    """``n_slots`` slots over ``llama``'s weights (see the module docstring).
+
+    :param llama: The host's ``Llama``; it stays usable on its own context, which the slots do not use.
+    :param n_slots: Slots (sequences), at least 1.
+    :param settings: Checkpoint settings of the engine.
+    :param cache: A prompt cache to share; :param disk: a disk tier to share.
+    :ivar manager: The engine, one slot per sequence.
+    :ivar leases: Which slot each generation holds.
+    :raises UnsupportedHostError: ``llama`` has a draft model, or serves embeddings.
+    """
+
+    def __init__(
+        self,
+        llama: Llama,
+        n_slots: int,
+        settings: CheckpointSettings | None = None,
+        *,
+        cache: PromptCache | None = None,
+        disk: DiskTier | None = None,
+        **overrides: Any,
+    ) -> None:
+        if llama.draft_model is not None:
+            raise UnsupportedHostError("parallel slots do not support a draft model (its context has one sequence)")
+        if llama.context_params.embeddings:
+            raise UnsupportedHostError("embedding contexts have no generation state to checkpoint")
+        self.llama = llama
+        n_ctx = int(llama.n_ctx())
+        self.context = SequenceContext(llama, n_slots, n_ctx=n_ctx * n_slots, seq_n_ctx=n_ctx)
+        self.scheduler = BatchScheduler(self.context)
+        self.backends = [ViewBackend(self.context, i, self.scheduler, llama) for i in range(n_slots)]
+        self.manager = CheckpointManager(self.backends[0], settings, cache=cache, disk=disk,
+                                         more_slots=self.backends[1:], **overrides)
+        self.leases = SlotLeases(n_slots, self._describe)
+        self.manager.hooks.call(self.manager.hooks.hook.on_attach)
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.backends)
+
+    def _describe(self, slot_id: int) -> tuple[str, np.ndarray]:
+        slot = self.manager.slots[slot_id].slot
+        return slot.namespace, slot.tokens
+
+    def view(self) -> SlotLlama:
+        """A view of the ``Llama`` for one request: the host's completion methods, on a slot leased per
+        generation."""
+        view = view_of(self.llama, self.context)
+        _SlotAttachment(view, self).patch_methods()
+        return view
+
+    def busy(self, slot_id: int) -> bool:
+        """Whether a generation holds ``slot_id`` now."""
+        return self.leases.busy(slot_id)
+
+    def close(self) -> None:
+        """Close the engine, stop the scheduler and free the shared context."""
+        self.manager.close()
+        self.scheduler.close()
+        self.context.close()

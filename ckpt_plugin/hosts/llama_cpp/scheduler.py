@@ -1,0 +1,251 @@
+"""Continuous batching: the tokens of every busy slot evaluated together, one ``llama_decode`` per step.
+
+Each slot's request runs in its own thread and evaluates through :meth:`BatchScheduler.decode`, which blocks until
+its tokens are evaluated. One scheduler thread gathers what the slots submitted and decodes it in one batch:
+generated tokens first (one per generating slot), then prompt chunks filling the rest of ``n_batch``, as llama.cpp's
+server does. A long prompt is evaluated over several steps while the other slots keep generating.
+
+A step waits for the slots that are generating and between two tokens (their next token comes a sampling later)
+to submit, so that their tokens share one decode instead of each paying its own, and so that no
+request thread works while llama.cpp computes: on a machine whose cores all run llama.cpp's threads, a Python
+thread sampling during a decode stalls every one of them at the next barrier. The wait is learned per slot (how long
+it took to come back after its last steps) and bounded (``max_wait``): a slot whose tokens go out through a slow
+stream is not waited for.
+
+Every other llama.cpp call on the context (state copies, sequence removal) takes the context's lock
+(:attr:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceContext.lock`), which a step holds while it decodes: llama.cpp
+contexts are not thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from typing import Iterator
+
+import llama_cpp
+import numpy as np
+
+from ...errors import StateRestoreError
+from .sequences import SequenceContext
+
+_GENERATED_TOKENS = 8
+"""Submissions this short are a generated token (or a few drafted ones): they go first in a step."""
+
+
+class _Submission:
+    """Tokens of one slot waiting for evaluation, with the logits rows it asked for."""
+
+    __slots__ = ("seq_id", "tokens", "positions", "flags", "outputs", "taken", "rows", "done", "error")
+
+    def __init__(self, seq_id: int, tokens: np.ndarray, n_past: int, first: int, n_vocab: int) -> None:
+        n = len(tokens)
+        self.seq_id = seq_id
+        self.tokens = tokens
+        self.positions = np.arange(n_past, n_past + n, dtype=np.int32)
+        self.flags = np.zeros(n, dtype=np.int8)
+        self.flags[min(first, n - 1):] = 1
+        self.outputs = np.empty((n - min(first, n - 1), n_vocab), dtype=np.single)
+        self.taken = 0  # tokens already placed in a step
+        self.rows = 0  # output rows already filled
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.taken
+
+
+class BatchScheduler:
+    """Decodes the tokens every slot of ``context`` submits, batched across slots (see the module docstring).
+
+    :param context: The context whose sequences are the slots.
+    :param max_wait: The longest a step waits for generating slots to submit, in seconds.
+    :ivar steps: Decodes run so far.
+    :ivar batched_tokens: Tokens decoded so far; ``batched_tokens / steps`` is the mean batch size.
+    :ivar shared_steps: Decodes that carried the tokens of more than one sequence.
+    """
+
+    def __init__(self, context: SequenceContext, max_wait: float = 0.03) -> None:
+        self.context = context
+        self.max_wait = max_wait
+        self.steps = 0
+        self.batched_tokens = 0
+        self.shared_steps = 0
+        self._done_at: dict[int, float] = {}  # when each sequence's last submission completed
+        self._comeback: dict[int, float] = {}  # how long each generating sequence takes to submit again (EWMA)
+        self._cond = threading.Condition()
+        self._pending: deque[_Submission] = deque()
+        self._generating: dict[int, int] = {}
+        self._closed = False
+        self._batch = llama_cpp.llama_batch_init(context.n_batch, 0, 1)
+        n = context.n_batch
+        self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(n,))
+        self._positions = np.ctypeslib.as_array(self._batch.pos, shape=(n,))
+        self._n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))
+        self._logits = np.ctypeslib.as_array(self._batch.logits, shape=(n,))
+        self._n_seq_id[:] = 1
+        self._thread = threading.Thread(target=self._run, name="ckpt-batch-scheduler", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def generating(self, seq_id: int) -> Iterator[None]:
+        """Mark ``seq_id`` as generating while the block runs: steps wait briefly for its next token."""
+        with self._cond:
+            self._generating[seq_id] = self._generating.get(seq_id, 0) + 1
+            self._done_at.pop(seq_id, None)  # not expected at a step until its first evaluation is done
+        try:
+            yield
+        finally:
+            with self._cond:
+                left = self._generating[seq_id] - 1
+                if left:
+                    self._generating[seq_id] = left
+                else:
+                    del self._generating[seq_id]
+                    self._comeback.pop(seq_id, None)
+                self._cond.notify_all()
+
+    def decode(self, seq_id: int, tokens: np.ndarray, n_past: int, first: int) -> np.ndarray:
+        """Evaluate ``tokens`` on sequence ``seq_id`` at positions ``n_past...``; block until done.
+
+        :param first: Logits are computed for ``tokens[first:]`` (and always for the last token).
+        :return: Those logits rows, in order (a new array, the caller's own).
+        :raises StateRestoreError: llama.cpp refused the batch (the sequence's memory is then unchanged past
+            ``n_past`` only as far as earlier steps got; the caller reconciles with the memory).
+        """
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if not len(tokens):
+            return np.empty((0, self.context.n_vocab), dtype=np.single)
+        submission = _Submission(seq_id, tokens, n_past, first, self.context.n_vocab)
+        with self._cond:
+            if self._closed:
+                raise StateRestoreError("the batch scheduler is closed")
+            done_at = self._done_at.get(seq_id)
+            if done_at is not None and seq_id in self._generating:
+                seconds = time.monotonic() - done_at
+                known = self._comeback.get(seq_id)
+                self._comeback[seq_id] = seconds if known is None else 0.7 * known + 0.3 * seconds
+            self._pending.append(submission)
+            self._cond.notify_all()
+        submission.done.wait()
+        if submission.error is not None:
+            raise submission.error
+        return submission.outputs
+
+    def close(self) -> None:
+        """Stop the scheduler thread (pending submissions fail)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+        llama_cpp.llama_batch_free(self._batch)
+
+    # -- the scheduler thread --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    for submission in self._pending:
+                        submission.error = StateRestoreError("the batch scheduler is closed")
+                        submission.done.set()
+                    self._pending.clear()
+                    return
+                self._gather()
+                step = self._take()
+            try:
+                self._decode(step)
+            except BaseException as exc:  # whatever broke, no slot may wait forever on this step
+                with self._cond:
+                    for submission, _, _ in step:
+                        submission.error = exc
+                        if submission in self._pending:
+                            self._pending.remove(submission)
+                        submission.done.set()
+
+    def _gather(self) -> None:
+        """Wait (boundedly) until every generating slot that is between two tokens has submitted its next ones, if
+        it usually comes back within ``max_wait``."""
+        comeback, done_at = self._comeback, self._done_at
+        expected = [seq_id for seq_id in self._generating
+                    if seq_id in done_at and comeback.get(seq_id, 0.0) <= self.max_wait]
+        if not expected:
+            return
+        wait = min(self.max_wait, 2 * max(comeback.get(seq_id, self.max_wait / 4) for seq_id in expected))
+        deadline = time.monotonic() + wait
+        while not self._closed:
+            waiting = {s.seq_id for s in self._pending}
+            if all(seq_id in waiting for seq_id in expected):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
+    def _take(self) -> list[tuple[_Submission, int, int]]:
+        """This step's tokens: ``(submission, start, count)``; short submissions first, then prompt chunks."""
+        capacity = self.context.n_batch
+        order = sorted(self._pending, key=lambda s: s.remaining > _GENERATED_TOKENS)  # stable: FIFO within each
+        step: list[tuple[_Submission, int, int]] = []
+        for submission in order:
+            if capacity == 0:
+                break
+            count = min(submission.remaining, capacity)
+            step.append((submission, submission.taken, count))
+            submission.taken += count
+            capacity -= count
+            if submission.remaining == 0:
+                self._pending.remove(submission)
+        return step
+
+    def _decode(self, step: list[tuple[_Submission, int, int]]) -> None:
+        batch, at = self._batch, 0
+        for submission, start, count in step:
+            end = at + count
+            self._tokens[at:end] = submission.tokens[start : start + count]
+            self._positions[at:end] = submission.positions[start : start + count]
+            self._logits[at:end] = submission.flags[start : start + count]
+            for i in range(at, end):
+                batch.seq_id[i][0] = submission.seq_id
+            at = end
+        batch.n_tokens = at
+        context = self.context
+        with context.lock:
+            status = int(llama_cpp.llama_decode(context.ctx, batch))
+            if status == 0:
+                self._collect(step)
+        self.steps += 1
+        self.batched_tokens += at
+        self.shared_steps += len({submission.seq_id for submission, _, _ in step}) > 1
+        for submission, start, count in step:
+            if status != 0:
+                submission.error = StateRestoreError(
+                    f"llama_decode failed with {status} on sequence {submission.seq_id}")
+                with self._cond:
+                    if submission in self._pending:  # its later chunks are not evaluated either
+                        self._pending.remove(submission)
+        finished = {submission.seq_id for submission, start, count in step if start + count == len(submission.tokens)}
+        now = time.monotonic()
+        with self._cond:
+            for seq_id in finished:
+                self._done_at[seq_id] = now
+        for submission, start, count in step:
+            if submission.error is not None or start + count == len(submission.tokens):
+                submission.done.set()
+
+    def _collect(self, step: list[tuple[_Submission, int, int]]) -> None:
+        """Copy each submission's logits rows out of llama.cpp's buffer before the next step overwrites it."""
+        ctx, n_vocab, at = self.context.ctx, self.context.n_vocab, 0
+        for submission, start, count in step:
+            for j in range(start, start + count):
+                if submission.flags[j]:
+                    row = llama_cpp.llama_get_logits_ith(ctx, at + j - start)
+                    submission.outputs[submission.rows] = np.ctypeslib.as_array(row, shape=(n_vocab,))
+                    submission.rows += 1
+            at += count
+
