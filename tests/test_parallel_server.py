@@ -277,3 +277,26 @@ def test_sigterm_with_every_slot_busy_ends_every_stream(tiny_model: Any) -> None
         server.process.wait(timeout=30)
         assert sorted(finished) == [0, 1] and time.monotonic() - started < 60
         assert server.process.returncode in (0, -signal.SIGTERM), "".join(server.log)[-3000:]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--flash_attn", "false"], "needs --flash_attn true"),
+    (["--draft-model", "{model}"], "cannot be combined with draft_model"),
+    (["--config_file", "{two_models}"], "serves one model"),
+])
+def test_parallel_refuses_what_it_cannot_serve_in_one_line(tiny_model: Any, tmp_path: Any, extra: list[str],
+                                                          words: str) -> None:
+    import subprocess
+    import sys
+
+    model = str(tiny_model("llama"))
+    two_models = tmp_path / "two.yaml"
+    two_models.write_text(f"models:\n  - model: {model}\n    model_alias: a\n  - model: {model}\n    model_alias: b\n")
+    args = [a.format(model=model, two_models=two_models) for a in extra]
+    if "--config_file" not in args:
+        args = ["--model", model, *args]
+    done = subprocess.run([sys.executable, "-m", "ckpt_plugin_integrations.llama_cpp_server", "--parallel", "2",
+                           *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckpt-serve: ") and words in last and "Traceback" not in done.stderr
