@@ -42,6 +42,19 @@ MARKDOWN_PATH = ROOT / "docs" / "bench-sections" / "70-plans-by-cost.md"
 COLD_TOKENS = 2000
 GOAL_COLD, GOAL_FAR = 1.03, 1.05
 VARIANTS = ("tier, by cost", "no tier", "tier, by tokens")
+FAR_NOTES = """How to read it:
+
+- Short suffix: the tier holds 64 tokens more than the live memory, 110 ms of evaluation here, but fetching them
+  means the entry's full state (11 MB at 50 MB/s: 0.23 s) after the lookup's two round trips; planning by tokens
+  fetched it anyway. By cost the tier is not even asked: its lookup alone would cost more than
+  5% of what is left to evaluate (`cost_probes.CostProbe`).
+- Long prefix: 1,500 tokens to evaluate (2.7 s) against three round trips and the bytes: fetched either way.
+- Short prefix: a lookup would cost 10% of the request, and even the tier's best answer could save little: not
+  asked. Planning by tokens, the fetch moved no bytes here (its blobs were still held in this process from the
+  long-prefix request of the same round, which the shared tier reuses by digest), which is why it is faster in
+  this run; a replica that never held them fetches the 1,500-token entry's full state and a checkpoint (20 MB).
+- The rates are measured by the engine as it serves (decode calls, restores, the lookups' round trips, the fetches);
+  the warm-up round is where it first measures the link."""
 
 
 def complete(llama: Any, prompt: list[int]) -> None:
@@ -209,13 +222,15 @@ def far(report: Report, rounds: int) -> None:
     report.table(["request", *(f"{v}: median (evaluated / hits / round trips)" for v in VARIANTS),
                   "by cost / no tier", "by tokens / no tier"], rows)
     shared, ram = costs["transfers"]["shared"], costs["transfers"]["ram"]
-    eval_rates = ", ".join(f"{batch}+: {seconds * 1000:.2f} ms" for batch, seconds in costs["eval_seconds_per_token"].items())
+    measured = {batch: seconds for batch, seconds in costs["eval_seconds_per_token"].items() if seconds is not None}
+    eval_rates = ", ".join(f"{batch}+: {seconds * 1000:.2f} ms" for batch, seconds in measured.items())
     report.text(f"Rates the engine measured: evaluation per token by batch size {eval_rates}; shared tier "
                 f"{shared['latency_seconds'] * 1000:.1f} ms a round trip, {shared['bytes_per_second'] / 1e6:.0f} MB/s; "
                 f"restore into the context {ram['bytes_per_second'] / 1e9:.1f} GB/s. Plans: {costs['plans']}, "
                 f"{costs['plans_by_cost']} of them by cost, {costs['lookups_skipped_by_cost']} lookups and "
                 f"{costs['fetches_skipped_by_cost']} fetches skipped; actual / estimated time "
                 f"{costs['actual_seconds'] / max(costs['estimated_seconds'], 1e-9):.2f} over all plans.")
+    report.text(FAR_NOTES)
     report.figure("far shared tier: slowest request with / without the tier", fmt_ratio(worst), f"<= {GOAL_FAR}x")
 
 

@@ -241,7 +241,8 @@ def branching(report: Report, llama: Llama, dims: Dims, rounds: int) -> dict[str
     report.text(f"### Branching sequence, {dims.parameters / 1e6:,.0f}M-parameter random F16 llama\n\n"
                 f"{rounds} rounds, the order of host alone and attached alternating; 4 tokens generated per request.")
     report.table(["request", "host alone", "attached", "attached / alone", "tokens evaluated (attached)"], rows)
-    report.figure("branching sequence, attached / host alone (total)", fmt_ratio(total["attached"] / total["host alone"]))
+    report.figure("branching sequence, attached / host alone (total)",
+                  fmt_ratio(total["attached"] / total["host alone"]))
     return costs
 
 
@@ -300,7 +301,8 @@ def state_calls(report: Report, llama: Llama, dims: Dims) -> None:
 def rates(report: Report, costs: dict[str, Any]) -> None:
     if not costs:
         return
-    eval_rates = ", ".join(f"{b}+: {s * 1e6:.0f} us" for b, s in costs["eval_seconds_per_token"].items())
+    measured = {batch: seconds for batch, seconds in costs["eval_seconds_per_token"].items() if seconds is not None}
+    eval_rates = ", ".join(f"{batch}+: {seconds * 1e6:.0f} us" for batch, seconds in measured.items())
     transfers = "; ".join(f"{name} {v['latency_seconds'] * 1e6:.0f} us + {v['bytes_per_second'] / 1e9:.2f} GB/s"
                           for name, v in costs["transfers"].items() if v["latency_observations"]
                           or v["bandwidth_observations"])

@@ -6,9 +6,11 @@ lookup is a round trip or two to the server, which prices the fixed cost of a fe
 hit of a slower tier gets a ``fetch`` that times itself and reports the bytes it moved. RAM hits are handed through
 untouched (their fetch is a reference).
 
-With rates, the shared tier is not even asked when its best possible answer (every prompt token but one, in one
-fetch, after the lookup's round trips) would be clearly slower than evaluating what the live memory and the local
-tiers leave: a lookup alone costs round trips, which on a far server are more than a short suffix's evaluation.
+With rates, the shared tier is not even asked when the lookup's own round trips would cost more than
+:data:`~ckpt_plugin.costs.LOOKUP_SHARE` of evaluating what the live memory and the local tiers leave (an answer that
+turns out useless must not make the request noticeably slower than it is without the tier), nor when its best
+possible answer (every prompt token but one, in one fetch, after those round trips) would be clearly slower than that
+evaluation: on a far server the round trips alone cost more than a short suffix's evaluation.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .costs import LOCAL_TIERS, RAM, SHARED, CostModel, Rates, clearly_cheaper
+from .costs import LOCAL_TIERS, LOOKUP_SHARE, MIN_SAVING, RAM, SHARED, CostModel, Rates, clearly_cheaper
 from .policy import LiveMemory, MemoryKind, best_reuse
 
 if TYPE_CHECKING:
@@ -67,10 +69,13 @@ class CostProbe:
         if rates is None:
             return True
         local = max(query.floor, self.local_keep())
+        without = rates.eval_seconds(self.n_prompt - local)
+        if rates.transfer_seconds(SHARED, 0, operations=LOOKUP_ROUND_TRIPS) > max(MIN_SAVING, LOOKUP_SHARE * without):
+            return False
         size = rates.state_bytes(query.limit)
         best = (rates.eval_seconds(self.n_prompt - query.limit) + rates.transfer_seconds(RAM, size)
                 + rates.transfer_seconds(SHARED, size, operations=LOOKUP_ROUND_TRIPS + 1))
-        return not clearly_cheaper(best, rates.eval_seconds(self.n_prompt - local))
+        return not clearly_cheaper(best, without)
 
     def find(self, name: str, tier: CacheTier, query: Query) -> list[Hit[Any]]:
         """``tier.find(query)``, its round trips measured, its hits' fetches timed (``name``: the tier's name)."""

@@ -44,12 +44,19 @@ LOCAL_TIERS = (RAM,)
 
 EVAL_BUCKETS: tuple[int, ...] = (1, 2, 8, 32, 128, 512)
 """Lower bounds of the batch sizes whose per-token evaluation time is learned apart: a lone token pays a whole decode
-call's overhead, a 512-token batch shares it."""
+call's overhead, a 512-token batch shares it. Each measured bucket is a point (its average batch size, its seconds
+per token) of :attr:`Rates.eval_points`; between points the time is interpolated, so a bucket never measured is
+priced from its measured neighbours' times, never from one's per-token rate multiplied out."""
 MIN_SAVING = 0.002
 """Seconds a plan must save before it keeps fewer tokens than it could (estimates are noisy; below this nobody waits
 noticeably)."""
-MARGIN = 0.10
-"""Fraction of the most-tokens plan's time a cheaper plan must save as well."""
+MARGIN = 0.05
+"""Fraction of the most-tokens plan's time a cheaper plan must save as well (plans within 5% of each other are
+alike: the one keeping the most tokens is kept)."""
+LOOKUP_SHARE = 0.05
+"""Fraction of a request's time (evaluating what the live memory and the local tiers leave) a lookup of the shared
+tier may cost, or :data:`MIN_SAVING`: a lookup that finds nothing usable then makes the request at most that much
+slower than it would be without the tier."""
 ALPHA = 0.25
 """Weight of a new observation in the moving averages (the last ~4 observations dominate)."""
 LATENCY_WINDOW = 32
@@ -105,13 +112,14 @@ would make the first fetch of a short prefix slower than evaluating it)."""
 class Rates:
     """What evaluating and copying cost, as the planner and the schedule see them (immutable).
 
-    :ivar eval_per_token: Seconds per evaluated token, one per :data:`EVAL_BUCKETS` bucket.
+    :ivar eval_points: ``(batch size, seconds per token at that size)`` by increasing size (see
+        :meth:`eval_seconds`).
     :ivar transfers: Per tier name (:data:`RAM`, :data:`DISK`, :data:`SHARED`, :data:`CAPTURE`).
     :ivar full_bytes_per_token: Bytes per token of a full state (0: unknown), to price a candidate not yet fetched.
     :ivar partial_bytes: Bytes of a partial checkpoint (0: unknown), to price a capture before it is taken.
     """
 
-    eval_per_token: tuple[float, ...] = (DEFAULT_EVAL_SECONDS,) * len(EVAL_BUCKETS)
+    eval_points: tuple[tuple[float, float], ...] = ((1.0, DEFAULT_EVAL_SECONDS),)
     transfers: Mapping[str, TransferRate] = field(default_factory=lambda: DEFAULT_TRANSFERS)
     full_bytes_per_token: float = 0.0
     partial_bytes: int = 0
@@ -121,27 +129,26 @@ class Rates:
              partial_bytes: int = 0) -> Rates:
         """The same evaluation rate at every batch size and the same transfer rate for every tier."""
         transfer = TransferRate(latency, bandwidth)
-        return cls((seconds_per_token,) * len(EVAL_BUCKETS),
+        return cls(((1.0, seconds_per_token),),
                    MappingProxyType({name: transfer for name in (RAM, DISK, SHARED, CAPTURE)}),
                    full_bytes_per_token, partial_bytes)
 
     def eval_seconds(self, n_tokens: int) -> float:
         """Estimated seconds to evaluate ``n_tokens`` tokens.
 
-        Each bucket's rate prices a batch of its smallest size; between those sizes the time is interpolated, past
-        the largest it grows at the largest batches' rate. Never less than for fewer tokens: where a bigger batch's
-        time comes out below a smaller one's (a lone token pays a decode call's whole overhead), the smaller one's
-        holds.
+        Each point prices a batch of its size; between points the time is interpolated (from nothing for nothing),
+        past the largest it grows at that point's rate. Never less than for fewer tokens: where a bigger batch's time
+        comes out below a smaller one's (a lone token pays a decode call's whole overhead), the smaller one's holds.
         """
         if n_tokens <= 0:
             return 0.0
-        previous_size, previous_time = 0, 0.0
-        for size, per_token in zip(EVAL_BUCKETS, self.eval_per_token):
+        previous_size, previous_time = 0.0, 0.0
+        for size, per_token in self.eval_points:
             seconds = max(size * per_token, previous_time)
             if n_tokens <= size:
                 return previous_time + (seconds - previous_time) * (n_tokens - previous_size) / (size - previous_size)
             previous_size, previous_time = size, seconds
-        return previous_time + (n_tokens - previous_size) * self.eval_per_token[-1]
+        return previous_time + (n_tokens - previous_size) * self.eval_points[-1][1]
 
     def transfer_seconds(self, tier: str, n_bytes: int, operations: int = 1) -> float:
         """Estimated seconds to move ``n_bytes`` through ``tier`` (:data:`DEFAULT_TRANSFERS` for an unknown name)."""
@@ -207,7 +214,6 @@ class _Transfer:
             self.bandwidth.observe(n_bytes / moving)
 
 
-
 @dataclass
 class PlanClock:
     """One prompt's plan while it is carried out: its estimate and the time it has taken so far.
@@ -253,7 +259,8 @@ class CostModel:
         self.learn = learn
         self._seed = seed
         self._lock = threading.Lock()
-        self._eval = [_Average(value) for value in seed.eval_per_token]
+        self._eval = [_Average(0.0) for _ in EVAL_BUCKETS]  # seconds per token, by bucket
+        self._eval_size = [_Average(float(size)) for size in EVAL_BUCKETS]  # batch size, by bucket
         self._transfers = {name: _Transfer(rate) for name, rate in {**DEFAULT_TRANSFERS, **seed.transfers}.items()}
         self._full_bytes_per_token = _Average(seed.full_bytes_per_token)
         self._partial_bytes = _Average(float(seed.partial_bytes))
@@ -295,16 +302,8 @@ class CostModel:
         return self.rates() if self.enabled else None
 
     def _build(self) -> Rates:
-        observed = [i for i, average in enumerate(self._eval) if average.count]
-        per_token = []
-        for i, average in enumerate(self._eval):
-            if average.count or not observed:
-                per_token.append(average.value)
-            else:
-                # Nearest measured batch size (the smaller one on a tie: dearer per token) beats a CPU-like guess.
-                nearest = min(observed, key=lambda j: (abs(j - i), j))
-                per_token.append(self._eval[nearest].value)
-        return Rates(tuple(per_token),
+        points = tuple((size.value, rate.value) for size, rate in zip(self._eval_size, self._eval) if rate.count)
+        return Rates(points or self._seed.eval_points,
                      MappingProxyType({name: transfer.rate() for name, transfer in self._transfers.items()}),
                      self._full_bytes_per_token.value, int(self._partial_bytes.value))
 
@@ -317,6 +316,7 @@ class CostModel:
         index = bisect.bisect_right(EVAL_BUCKETS, n_tokens) - 1
         with self._lock:
             self._eval[index].observe(seconds / n_tokens)
+            self._eval_size[index].observe(float(n_tokens))
             self._rates = None
 
     def observe_transfer(self, tier: str, n_bytes: int, seconds: float, operations: int = 1) -> None:
@@ -388,8 +388,10 @@ class CostModel:
         with self._lock:
             view: dict[str, Any] = {
                 "enabled": self.enabled,
-                "eval_seconds_per_token": dict(zip(map(str, EVAL_BUCKETS), rates.eval_per_token)),
+                "eval_seconds_per_token": {str(bound): average.value if average.count else None
+                                           for bound, average in zip(EVAL_BUCKETS, self._eval)},
                 "eval_observations": {str(bound): average.count for bound, average in zip(EVAL_BUCKETS, self._eval)},
+                "eval_points": [list(point) for point in rates.eval_points],
                 "transfers": {name: self._transfer_view(name, rate) for name, rate in rates.transfers.items()},
                 "full_state_bytes_per_token": rates.full_bytes_per_token,
                 "partial_state_bytes": rates.partial_bytes,

@@ -182,7 +182,8 @@ class CostCollector:
                                       labels=["model", "tier"])
         for model, view in views.items():
             for batch, seconds in view["eval_seconds_per_token"].items():
-                eval_rate.add_metric([model, batch], seconds)
+                if seconds is not None:  # a batch size never measured has no rate of its own
+                    eval_rate.add_metric([model, batch], seconds)
             for tier, rate in view["transfers"].items():
                 latency.add_metric([model, tier], rate["latency_seconds"])
                 bandwidth.add_metric([model, tier], rate["bytes_per_second"])

@@ -11,6 +11,9 @@ Nothing here touches llama.cpp. The rules follow llama.cpp's server (``tools/ser
   truncate it, because attention cells are per position and the window before ``p`` is exact in it. That removes the
   re-evaluation between the checkpoint and the divergence point.
 - A recurrent state exists only at its end: a checkpoint serves a prefix only if taken exactly at its length.
+
+:func:`plan_prompt` keeps the most tokens it can, or, given measured rates (:mod:`ckpt_plugin.costs`), the plan with
+the least expected time when that is clearly faster.
 """
 
 from __future__ import annotations

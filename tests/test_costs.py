@@ -120,10 +120,11 @@ def same_plan(a: Plan[Stored], b: Plan[Stored]) -> bool:
 # --- pure: the rates ---------------------------------------------------------------------------------------------
 
 
-@given(st.lists(st.floats(1e-7, 1e-2), min_size=len(EVAL_BUCKETS), max_size=len(EVAL_BUCKETS)),
+@given(st.lists(st.tuples(st.integers(1, 2000), st.floats(1e-7, 1e-1)), min_size=1, max_size=len(EVAL_BUCKETS),
+                unique_by=lambda point: point[0]),
        st.integers(0, 5000), st.integers(0, 5000))
-def test_more_tokens_never_cost_less_to_evaluate(per_token: list[float], n: int, m: int) -> None:
-    rates = Rates(tuple(per_token))
+def test_more_tokens_never_cost_less_to_evaluate(points: list[tuple[int, float]], n: int, m: int) -> None:
+    rates = Rates(tuple((float(size), rate) for size, rate in sorted(points)))
     low, high = sorted((n, m))
     assert rates.eval_seconds(low) <= rates.eval_seconds(high)
     assert rates.eval_seconds(0) == 0.0
@@ -137,9 +138,11 @@ def test_the_first_observation_replaces_the_default_and_later_ones_are_averaged(
     # buckets never measured take the nearest measured one, not the CPU-like default
     assert costs.rates().eval_seconds(1000) == pytest.approx(1000 * 2e-5)
     costs.observe_eval(64, 64 * 4e-5)
-    assert 2e-5 < costs.rates().eval_per_token[EVAL_BUCKETS.index(32)] < 4e-5
+    assert 2e-5 < costs.snapshot()["eval_seconds_per_token"]["32"] < 4e-5
     costs.observe_eval(1, 1e-3)
-    assert costs.rates().eval_per_token[0] == pytest.approx(1e-3)
+    assert costs.rates().eval_seconds(1) == pytest.approx(1e-3)
+    # A lone token's overhead is not multiplied out: 16 tokens cost between one token and 64 tokens, interpolated.
+    assert 1e-3 <= costs.rates().eval_seconds(16) <= costs.rates().eval_seconds(64) < 16e-3
 
 
 def test_fixed_costs_are_the_smallest_recent_and_stalls_do_not_move_them() -> None:
@@ -195,7 +198,7 @@ def test_where_recomputing_is_cheaper_the_plan_recomputes(case: Case) -> None:
 
 def test_a_slow_tier_is_not_fetched_for_a_few_tokens_and_is_for_many() -> None:
     far = Rates.flat(1e-4, latency=1e-6, bandwidth=1e10)
-    far = Rates(far.eval_per_token, {**far.transfers, "shared": TransferRate(0.020, 50e6)})
+    far = with_transfer(far, "shared", TransferRate(0.020, 50e6))
     kind = MemoryKind()
     prompt = np.arange(2000, dtype=np.int32)
     entry = Stored(prompt[:1900].copy(), 0)
@@ -219,17 +222,19 @@ def test_the_far_tier_is_not_asked_when_even_its_best_answer_could_not_pay() -> 
     def query(n_prompt: int, floor: int = 0) -> Query:
         return Query("default", "fp", np.arange(n_prompt, dtype=np.int32), MemoryKind(), n_prompt - 1, floor=floor)
 
-    # 40 tokens left to evaluate (4 ms) against three round trips (60 ms): not asked
+    # 40 tokens left to evaluate (4 ms) against the lookup's two round trips (40 ms): not asked
     assert not CostProbe(costs, far, 100, lambda: 60).lookup_pays(query(100))
     assert not CostProbe(costs, far, 100, lambda: 0).lookup_pays(query(100, floor=60))
-    # 2,000 tokens (200 ms): asked; without rates, always asked
-    assert CostProbe(costs, far, 2000, lambda: 0).lookup_pays(query(2000))
+    # 2,000 tokens (200 ms): a hit would pay, but a useless answer would cost 20% of the request: not asked
+    assert not CostProbe(costs, far, 2000, lambda: 0).lookup_pays(query(2000))
+    # 10,000 tokens (1 s): asked; without rates, always asked
+    assert CostProbe(costs, far, 10_000, lambda: 0).lookup_pays(query(10_000))
     assert CostProbe(costs, None, 100, lambda: 99).lookup_pays(query(100))
 
 
 def test_clearly_cheaper_needs_both_an_absolute_and_a_relative_saving() -> None:
     assert not clearly_cheaper(0.010, 0.0085)  # 1.5 ms: below the absolute floor
-    assert not clearly_cheaper(1.0, 0.95)  # 50 ms, but 5%
+    assert not clearly_cheaper(1.0, 0.96)  # 40 ms, but 4%
     assert clearly_cheaper(0.030, 0.010)
 
 

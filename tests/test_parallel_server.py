@@ -262,14 +262,17 @@ def test_sigterm_with_every_slot_busy_ends_every_stream(tiny_model: Any) -> None
     args = model_args(tiny_model("llama")) + ["--parallel", "2"]
     with run_server(args) as server:
         finished: list[int] = []
+        both_streaming = threading.Barrier(2)
 
         def stream(i: int) -> None:
             body = {"model": "m", "messages": conversation(i, "long"), "max_tokens": 400, "temperature": 0,
                     "stream": True}
             with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=BOUND) as response:
                 for n, _ in enumerate(response.iter_lines()):
-                    if n == 2 and i == 0:
-                        server.process.send_signal(signal.SIGTERM)
+                    if n == 2:
+                        both_streaming.wait(BOUND)  # the signal comes once every slot is busy
+                        if i == 0:
+                            server.process.send_signal(signal.SIGTERM)
             finished.append(i)
 
         started = time.monotonic()
