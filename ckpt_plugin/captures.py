@@ -13,6 +13,7 @@ sees) between the copy's steps: the copy then checks that the sequence did not m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
@@ -97,6 +98,12 @@ class Captures:
         shrinks. A copy whose ``pos_min`` is the same after as before saw one state; one that is not is taken again,
         ``attempts`` times at most, without a lock held against the other slots' decodes.
         """
+        # A backend whose context other slots decode into names the lock that keeps their decodes out: the copy then
+        # sees one state for certain (the checks below remain for backends without one).
+        with getattr(backend, "memory_lock", None) or contextlib.nullcontext():
+            return self._copy_once(backend, partial, attempts)
+
+    def _copy_once(self, backend: Backend, partial: bool, attempts: int) -> tuple[StateBuffer, int, int] | _Failed:
         pos_min, pos_max = int(backend.pos_min()), int(backend.pos_max())
         cells = partial_cells(self.kind, pos_min, pos_max)
         expected = self._sized(lambda sizes: sizes.expected(cells)) if partial else None
@@ -112,14 +119,14 @@ class Captures:
         written = int(backend.read_state(buffer, partial))
         if int(backend.pos_min()) != pos_min:  # another sequence took cells meanwhile: not a size to distrust
             if attempts > 1:
-                return self._copy(backend, partial, attempts - 1)
+                return self._copy_once(backend, partial, attempts - 1)
             return _Failed(size, written, moved=True)
         if expected is not None and written != size:
             # llama.cpp wrote another size than learned (0 if the buffer was too small): measure from now on.
             log.info("partial state of %d cells wrote %d bytes, not %d; sizing every capture again", cells, written,
                      size)
             self._sized(lambda sizes: sizes.distrust())
-            return self._copy(backend, partial, attempts)
+            return self._copy_once(backend, partial, attempts)
         if written != size:
             return _Failed(size, written)
         if partial and expected is None:

@@ -11,7 +11,11 @@ from .policy import MemoryKind, common_prefix
 
 
 class Backend(Protocol):
-    """What the manager needs from a model context (implemented by :mod:`ckpt_plugin.hosts.llama_cpp`)."""
+    """What the manager needs from a model context (implemented by :mod:`ckpt_plugin.hosts.llama_cpp`).
+
+    A backend whose context other sequences decode into at the same time may also have ``memory_lock``: a lock that,
+    held, keeps every other call on the context out, so that a capture sees one state of the sequence's cells.
+    """
 
     kind: MemoryKind
     fingerprint: str

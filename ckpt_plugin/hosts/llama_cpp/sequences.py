@@ -122,6 +122,11 @@ class SequenceBackend:
         self.fingerprint = context.fingerprint
         self.n_ctx = context.seq_n_ctx
 
+    @property
+    def memory_lock(self) -> threading.RLock:
+        """Held, it keeps every other llama.cpp call on the context out (the captures' one look at the cells)."""
+        return self.context.lock
+
     def state_size(self, partial: bool) -> int:
         with self.context.lock:
             return int(llama_cpp.llama_state_seq_get_size_ext(self.context.ctx, self.seq_id, _flags(partial)))
