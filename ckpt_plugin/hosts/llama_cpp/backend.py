@@ -41,8 +41,6 @@ class HostRows:
         self._full = False
         # The tokens whose logits rows [0, len) of the full array hold; a row depends only on the tokens before it.
         self._row_tokens = np.zeros(0, dtype=np.int32)
-        # The logits rows of the last chunk evaluated (its flagged tokens, in order).
-        self.last_outputs: np.ndarray = np.zeros((0, self._n_vocab), dtype=np.single)
 
     def _decode_chunk(self, chunk: np.ndarray, n_past: int, first: int) -> np.ndarray:
         """Evaluate ``chunk`` at positions ``n_past...`` with logits for its tokens ``first..`` (the last always);
@@ -64,7 +62,6 @@ class HostRows:
             n_past, n = int(llama.n_tokens), len(chunk)
             first = needs.first_output(n_past, n)
             outputs = self._decode_chunk(chunk, n_past, first)
-            self.last_outputs = outputs
             llama.input_ids[n_past : n_past + n] = chunk
             self._keep_rows(needs, n_past, chunk, first, outputs)
             llama.n_tokens += n

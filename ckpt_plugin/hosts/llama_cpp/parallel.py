@@ -49,6 +49,8 @@ class ViewBackend(HostRows, SequenceBackend):
         SequenceBackend.__init__(self, context, seq_id)
         self.scheduler = scheduler
         self._use_host(llama)  # until a view binds the slot: only shapes are read from it
+        # The logits rows of the slot's last evaluated chunk (its flagged tokens, in order): what its view samples.
+        self.last_outputs = np.zeros((0, context.n_vocab), dtype=np.single)
         self._candidates: LlamaTokenDataArray | None = None
 
     def bind(self, view: SlotLlama) -> None:
@@ -69,7 +71,8 @@ class ViewBackend(HostRows, SequenceBackend):
         self.truncate(n_past)
 
     def _decode_chunk(self, chunk: np.ndarray, n_past: int, first: int) -> np.ndarray:
-        return self.scheduler.decode(self.seq_id, chunk, n_past, first)
+        self.last_outputs = self.scheduler.decode(self.seq_id, chunk, n_past, first)
+        return self.last_outputs
 
 
 class _SlotAttachment(_Attachment):
