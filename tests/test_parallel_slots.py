@@ -66,3 +66,25 @@ def test_choose_slot_prefers_the_longest_prefix_of_the_same_namespace_then_lru()
     assert choose_slot(prompt + 100, "a", idle) == 3  # no shared prefix: least recently used
     with pytest.raises(ValueError):
         choose_slot(prompt, "a", [])
+
+
+def test_closing_a_view_ends_the_stream_it_left_open(make_llama: Callable[..., Any]) -> None:
+    """A client that leaves mid-stream leaves its generation suspended; the server closes the request's view, which
+    frees the slot at once, while something (a reference cycle, here the test) still holds the generator."""
+    host = make_llama("llama")
+    parallel = ParallelLlama(host, 2, load_entrypoints=False)
+    try:
+        text = prompts(1)[0]
+        view = parallel.view()
+        stream = view.create_completion(text, max_tokens=40, temperature=0.0, stream=True)
+        next(stream), next(stream)
+        assert [parallel.busy(i) for i in range(2)].count(True) == 1
+        view.close()
+        assert not any(parallel.busy(i) for i in range(2))
+        assert parallel.scheduler._generating == {}  # no step waits for it any longer
+        # The slot serves the next request, which reuses the prefix the abandoned one evaluated.
+        plain = make_llama("llama")
+        assert complete(parallel.view(), text)["choices"][0]["text"] == complete(plain, text)["choices"][0]["text"]
+        assert stream is not None
+    finally:
+        parallel.close()

@@ -6,6 +6,7 @@ import contextlib
 import functools
 from typing import Any, AsyncIterator
 
+import anyio
 import llama_cpp.server.app as host
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 
@@ -17,7 +18,7 @@ from ckpt_plugin.grammar_guard import GrammarGuard
 from ckpt_plugin.middleware import CheckpointMiddleware
 
 from .guards import host_route_guards, warm_up
-from .proxy import CheckpointLlamaProxy
+from .proxy import CheckpointLlamaProxy, RequestViews
 
 
 def create_app(
@@ -72,14 +73,21 @@ def serve_without_the_host_lock(app: Any) -> None:
     ``llama_cpp.server`` hands its model proxy out under two module-level locks, so that one request runs at a time
     (and, with ``interrupt_requests``, a waiting request cuts the running stream short). With parallel slots, the
     middleware's admission queue bounds the requests in flight and each gets its own slot: the proxy is handed out
-    without the locks. Models without parallel slots are still served under the host's locks.
+    without the locks, as a :class:`RequestViews` whose views are closed when the request ends. Models without
+    parallel slots are still served under the host's locks.
     """
     locked = getattr(host.get_llama_proxy, "__wrapped__", host.get_llama_proxy)
 
     async def get_llama_proxy() -> AsyncIterator[Any]:
         proxy = host_compat.server_llama_proxy(host)
         if getattr(proxy, "parallel", None) is not None:
-            yield proxy
+            views = RequestViews(proxy)
+            try:
+                yield views
+            finally:
+                # Also when the request was cancelled (its client left): the slot must not wait for the collector.
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(views.close)
             return
         async with contextlib.asynccontextmanager(locked)() as held:
             yield held

@@ -112,3 +112,31 @@ class CheckpointLlamaProxy(LlamaProxy):
             enable_speculative(llama, manager, draft, self.draft_n)
         self.managers = {alias: manager}
         return llama
+
+
+class RequestViews:
+    """A parallel proxy as one request sees it: the views it hands out are closed when the request ends.
+
+    A client that leaves mid-stream leaves its generation suspended; closing the view ends it and frees its slot at
+    once (the host drops the generator without closing it, and a reference cycle can keep it alive).
+
+    :param proxy: The server's proxy (with parallel slots).
+    """
+
+    def __init__(self, proxy: CheckpointLlamaProxy) -> None:
+        self.proxy = proxy
+        self._views: list[Any] = []
+
+    def __call__(self, model: str | None = None) -> Any:
+        view = self.proxy(model)
+        self._views.append(view)
+        return view
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.proxy)
+
+    def close(self) -> None:
+        """End every generation the request left open."""
+        views, self._views = self._views, []
+        for view in views:
+            view.close()

@@ -20,7 +20,8 @@ A draft model is not supported with N > 1 (the draft context has one sequence): 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+import weakref
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 from llama_cpp._internals import LlamaTokenDataArray
@@ -83,6 +84,21 @@ class _SlotAttachment(_Attachment):
         # Slot 0 stands in until a generation leases a slot: nothing runs on it before.
         super().__init__(view, manager, parallel.backends[0], manager.slots[0])
         self.parallel = parallel
+        self._open: weakref.WeakSet[Iterator[int]] = weakref.WeakSet()
+
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
+        generation = super().generate(tokens, *args, **kwargs)
+        self._open.add(generation)
+        return generation
+
+    def end(self) -> None:
+        """End the generations the request left suspended (a client that left mid-stream): their slots are free
+        now, not whenever the garbage collector reaches a generator that a reference cycle keeps alive."""
+        for generation in list(self._open):
+            try:
+                generation.close()  # type: ignore[attr-defined]
+            except ValueError:
+                pass  # running in another thread: it ends, and frees its slot, when its step returns
 
     def _generate_with_prepare(
         self, tokens: list[int], reset: bool, stopping: bool, args: tuple, kwargs: dict
@@ -145,9 +161,11 @@ class ParallelLlama:
 
     def view(self) -> SlotLlama:
         """A view of the ``Llama`` for one request: the host's completion methods, on a slot leased per
-        generation."""
+        generation. Close the view when the request ends: a generation it left suspended frees its slot then."""
         view = view_of(self.llama, self.context)
-        _SlotAttachment(view, self).patch_methods()
+        attachment = _SlotAttachment(view, self)
+        attachment.patch_methods()
+        view.end_generations = attachment.end
         return view
 
     def busy(self, slot_id: int) -> bool:

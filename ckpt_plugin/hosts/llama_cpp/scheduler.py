@@ -170,10 +170,13 @@ class BatchScheduler:
 
     def _gather(self) -> None:
         """Wait (boundedly) until every generating slot that is between two tokens has submitted its next ones, if
-        it usually comes back within ``max_wait``."""
+        it usually comes back within ``max_wait``. A slot already gone longer than that since its last step is not
+        waited for (its request is sampling slowly, or its client left and its generation is not yet closed)."""
         comeback, done_at = self._comeback, self._done_at
+        now = time.monotonic()
         expected = [seq_id for seq_id in self._generating
-                    if seq_id in done_at and comeback.get(seq_id, 0.0) <= self.max_wait]
+                    if seq_id in done_at and comeback.get(seq_id, 0.0) <= self.max_wait
+                    and now - done_at[seq_id] <= self.max_wait]
         if not expected:
             return
         wait = min(self.max_wait, 2 * max(comeback.get(seq_id, self.max_wait / 4) for seq_id in expected))

@@ -84,6 +84,7 @@ class SlotLlama(Llama):
     sequence: SequenceHandle
     slot_rows: Callable[[], np.ndarray]
     candidates: Callable[[], LlamaTokenDataArray]
+    end_generations: Callable[[], None] = staticmethod(lambda: None)
 
     def reset(self) -> None:
         """The host's ``reset``, on the view's own sequence only (the host clears every sequence of a recurrent
@@ -106,7 +107,9 @@ class SlotLlama(Llama):
         return sample_row(sampler, row, self.candidates())
 
     def close(self) -> None:
-        """A view owns no model or context: closing it frees nothing the host's ``Llama`` holds."""
+        """End the request on this view: a generation it left suspended ends (its slot is released). A view owns
+        no model or context: closing it frees nothing the host's ``Llama`` holds."""
+        self.end_generations()
         self._stack.close()
 
 
