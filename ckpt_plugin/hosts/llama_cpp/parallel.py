@@ -2,9 +2,10 @@
 
 :class:`ParallelLlama` builds, for a host's ``Llama``:
 
-- a :class:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceContext` with N sequences and a unified KV cache of
-  ``N x n_ctx`` cells, so that every slot holds a whole ``n_ctx`` conversation (a request that fits one slot fits
-  any, as with one);
+- a :class:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceContext` with N sequences, each in a KV stream of its
+  own of ``n_ctx`` cells (llama.cpp's server's layout with ``--parallel``): every slot holds a whole ``n_ctx``
+  conversation (a request that fits one slot fits any, as with one), and a token attends over its own slot's cells
+  only;
 - a :class:`~ckpt_plugin.hosts.llama_cpp.scheduler.BatchScheduler` decoding every busy slot's tokens together;
 - one engine (:class:`~ckpt_plugin.manager.CheckpointManager`) with one slot per sequence: checkpoints and cache
   entries are shared by reference between the slots and the tiers, so a conversation that moves to another slot
@@ -143,7 +144,7 @@ class ParallelLlama:
             raise UnsupportedHostError("embedding contexts have no generation state to checkpoint")
         self.llama = llama
         n_ctx = int(llama.n_ctx())
-        self.context = SequenceContext(llama, n_slots, n_ctx=n_ctx * n_slots, seq_n_ctx=n_ctx)
+        self.context = SequenceContext(llama, n_slots, n_ctx=n_ctx * n_slots, unified=False)
         self.scheduler = BatchScheduler(self.context)
         self.backends = [ViewBackend(self.context, i, self.scheduler, llama) for i in range(n_slots)]
         self.manager = CheckpointManager(self.backends[0], settings, cache=cache, disk=disk,

@@ -204,6 +204,9 @@ class BatchScheduler:
             capacity -= count
             if submission.remaining == 0:
                 self._pending.remove(submission)
+        # In sequence order: with a KV stream per sequence llama.cpp splits a batch into micro-batches of consecutive
+        # sequence ids, so this order makes the fewest.
+        step.sort(key=lambda entry: entry[0].seq_id)
         return step
 
     def _decode(self, step: list[tuple[_Submission, int, int]]) -> None:

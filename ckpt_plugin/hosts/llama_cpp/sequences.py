@@ -1,8 +1,8 @@
 """A llama.cpp context with several sequences over the weights of a ``Llama``: one engine slot per sequence id.
 
 llama-cpp-python's ``Llama`` creates its context with one sequence. :class:`SequenceContext` creates a second context
-on the same model (no second copy of the weights) with ``n_seq`` sequences and a unified KV cache of ``n_ctx`` cells
-that the sequences share, as llama.cpp's server does with ``--parallel``; each :class:`SequenceBackend` is one
+on the same model (no second copy of the weights) with ``n_seq`` sequences, in one KV cache they share or in a KV
+stream each (as llama.cpp's server does with ``--parallel``); each :class:`SequenceBackend` is one
 sequence, the :class:`~ckpt_plugin.slot.Backend` of one engine slot. A state captured from one sequence restores into
 any other of the same context (the fingerprint covers the context's parameters and its number of sequences).
 """
@@ -26,14 +26,20 @@ class SequenceContext:
 
     :param llama: Gives the model and the context parameters (threads, flash attention, cache types, window).
     :param n_seq: Sequences (slots).
-    :param n_ctx: Cells of the unified KV cache the sequences share (default: ``llama``'s ``n_ctx``).
-    :param seq_n_ctx: The most positions one sequence may hold (default: every cell).
+    :param n_ctx: Cells of the KV cache (default: ``llama``'s ``n_ctx``).
+    :param seq_n_ctx: The most positions one sequence may hold (default: every cell it can reach).
+    :param unified: One KV cache the sequences share (``True``), or one stream of ``n_ctx / n_seq`` cells per
+        sequence (``False``, llama.cpp's server's default with ``--parallel``): attention then spans a sequence's
+        own cells only, where in a shared cache every token attends over the whole range of used cells, every
+        sequence's (masked), which grows with the slots' turnover.
     :ivar lock: Held around every llama.cpp call on the context (llama.cpp contexts are not thread-safe).
     :ivar kind: The memory kind.
     :ivar fingerprint: What a state of this context must carry to be restored here.
     """
 
-    def __init__(self, llama: Llama, n_seq: int, n_ctx: int | None = None, seq_n_ctx: int | None = None) -> None:
+    def __init__(
+        self, llama: Llama, n_seq: int, n_ctx: int | None = None, seq_n_ctx: int | None = None, unified: bool = True
+    ) -> None:
         if n_seq < 1:
             raise ValueError("a context needs at least one sequence")
         self.llama = llama  # keeps the model alive as long as this context
@@ -41,14 +47,15 @@ class SequenceContext:
         params = type(llama.context_params).from_buffer_copy(llama.context_params)
         params.n_ctx = int(n_ctx or llama.n_ctx())
         params.n_seq_max = n_seq
-        params.kv_unified = True
+        params.kv_unified = unified
         self.ctx = llama_cpp.llama_init_from_model(llama.model, params)
         if not self.ctx:
             raise MemoryError(f"llama.cpp could not create a context of {params.n_ctx} cells for {n_seq} sequences")
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_seq = n_seq
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
-        self.seq_n_ctx = min(int(seq_n_ctx or self.n_ctx), self.n_ctx)
+        reach = self.n_ctx if unified else self.n_ctx // n_seq
+        self.seq_n_ctx = min(int(seq_n_ctx or reach), reach)
         self.n_batch = int(llama_cpp.llama_n_batch(self.ctx))
         self.n_vocab = int(llama.n_vocab())
         self.kind: MemoryKind = memory_kind(llama)
