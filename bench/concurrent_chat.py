@@ -35,6 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import Report, gemma_path  # noqa: E402
+from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, TRANSCRIPT_STOP  # noqa: E402
 from chat import ASSISTANT_REPLIES, USER_MESSAGES, Config, start, system_prompt, token_counter  # noqa: E402
 
 N_CTX, N_BATCH, N_THREADS = 4096, 512, 2
@@ -69,18 +70,21 @@ def servers(model: str, host_alone: bool) -> list[Config]:
     settings = ["--model", model, "--n_ctx", str(N_CTX), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
                 "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS), "--seed", "0",
                 "--interrupt_requests", "false"]
-    ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings]
+    # The embedded model's own chat format, named because --model names the file (llama-server gets the same
+    # through bench/transcript.jinja).
+    ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings, "--chat_format", DEFAULT_CHAT_FORMAT]
     out = [Config("p1", "ckpt-serve --parallel 1", [*ours, "--parallel", "1"], ckpt=True),
            Config("p4", "ckpt-serve --parallel 4", [*ours, "--parallel", "4"], ckpt=True)]
     if host_alone:
         out.append(Config("host", "llama_cpp.server", [python, "-m", "llama_cpp.server", *settings]))
     binary = shutil.which("llama-server")
     if binary:
+        template = ROOT / "bench" / "transcript.jinja"
         for n in (4, 1):
             out.append(Config(f"ls{n}", f"llama-server -np {n}", [
                 binary, "-m", model, "-c", str(N_CTX * n), "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t",
-                str(N_THREADS), "-tb", str(N_THREADS), "-np", str(n), "--seed", "0"], health="/health",
-                llama_server=True))
+                str(N_THREADS), "-tb", str(N_THREADS), "-np", str(n), "--seed", "0",
+                "--chat-template-file", str(template)], health="/health", llama_server=True))
     return out
 
 
@@ -101,11 +105,12 @@ def conversations(users: int, turns: int, count: Any) -> list[list[list[dict[str
 def one_turn(
     url: str, messages: list[dict[str, str]], max_tokens: int, result: Turn, llama_server: bool = False
 ) -> None:
-    # Every reply max_tokens long, on every server, so that they all do the same work: the servers format the chat
-    # differently (the default model has no template), and some formats end a reply early.
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    body.update({"ignore_eos": True} if llama_server else {"min_tokens": max_tokens})
+    if llama_server:
+        # The same prompts and stops as ckpt-serve's chat format for the template-less default model
+        # (bench/transcript.jinja renders it), so that both servers do the same work.
+        body["stop"] = list(TRANSCRIPT_STOP)
     started = time.perf_counter()
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:

@@ -17,22 +17,11 @@ if ! .venv/bin/python -c '' >/dev/null 2>&1; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip wheel
 
-# llama-cpp-python compiles llama.cpp (~10 min on 2 cores the first time; the wheel is kept for later runs).
-# Its CPU kernels get the instruction sets this machine has, AVX-512 included (1.2x the prompt speed of an AVX2
-# build on Gemma-3-270M here), but never AMX: llama.cpp's default native build enables AMX kernels that crash on
-# machines whose kernel does not grant AMX tile state (seen on our 2-core x86_64 machines).
+# llama-cpp-python compiles llama.cpp (~10 min on 2 cores the first time; the wheel is kept for later runs), with
+# the CPU kernels scripts/cpu_cmake_args.sh chooses unless CMAKE_ARGS is set.
 LLAMA_CPP_SPEC="llama-cpp-python>=0.3.36,<0.4"  # the range pyproject.toml asks for
-has_cpu_flag() { grep -qw "$1" /proc/cpuinfo; }
-if [ -z "${CMAKE_ARGS:-}" ] && [ "$(uname -m)" = x86_64 ]; then
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
-  if has_cpu_flag avx512f && has_cpu_flag avx512cd && has_cpu_flag avx512vl && has_cpu_flag avx512dq \
-      && has_cpu_flag avx512bw; then
-    CMAKE_ARGS="$CMAKE_ARGS -DGGML_AVX512=ON"
-    if has_cpu_flag avx512vbmi; then CMAKE_ARGS="$CMAKE_ARGS -DGGML_AVX512_VBMI=ON"; fi
-    if has_cpu_flag avx512_vnni; then CMAKE_ARGS="$CMAKE_ARGS -DGGML_AVX512_VNNI=ON"; fi
-    if has_cpu_flag avx512_bf16; then CMAKE_ARGS="$CMAKE_ARGS -DGGML_AVX512_BF16=ON"; fi
-  fi
-  if has_cpu_flag avx_vnni; then CMAKE_ARGS="$CMAKE_ARGS -DGGML_AVX_VNNI=ON"; fi
+if [ -z "${CMAKE_ARGS:-}" ]; then
+  CMAKE_ARGS="$(bash scripts/cpu_cmake_args.sh)"
 fi
 export CMAKE_ARGS="${CMAKE_ARGS:-}"
 # pip's own wheel cache ignores CMAKE_ARGS: wheels are kept per build configuration instead.

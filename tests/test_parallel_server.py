@@ -288,8 +288,17 @@ def test_sigterm_with_every_slot_busy_ends_every_stream(tiny_model: Any) -> None
         assert server.process.returncode in (0, -signal.SIGTERM), "".join(server.log)[-3000:]
 
 
+def test_parallel_slots_without_flash_attention(tiny_model: Any) -> None:
+    """Each slot has a KV stream of its own, so llama.cpp's non-flash attention serves several slots too."""
+    args = model_args(tiny_model("llama")) + ["--flash_attn", "false"]
+    with run_server(args, plain=True) as plain, run_server(args + ["--parallel", "2"]) as server:
+        talks = [conversation(i, "no flash") for i in range(4)]
+        replies = all_at_once([lambda m=m: chat(server, m)[0] for m in talks])
+        for messages, reply in zip(talks, replies):
+            assert same_or_near_tie(reply, reference(plain, messages))
+
+
 @pytest.mark.parametrize("extra, words", [
-    (["--flash_attn", "false"], "needs --flash_attn true"),
     (["--draft-model", "{model}"], "cannot be combined with draft_model"),
     (["--config_file", "{two_models}"], "serves one model"),
 ])

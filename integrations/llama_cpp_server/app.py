@@ -34,9 +34,6 @@ def create_app(
     if settings.parallel > 1 and len(model_settings) > 1:
         raise ConfigError("parallel > 1 serves one model: the config file names "
                           f"{len(model_settings)} (use one ckpt-serve per model)")
-    if settings.parallel > 1 and model_settings and not model_settings[0].flash_attn:
-        raise ConfigError("parallel > 1 needs --flash_attn true: without flash attention, llama.cpp's attention over a "
-                          "KV cache shared by several sequences gives other logits than one sequence alone")
     original = host.LlamaProxy
     # The host builds its proxy by this module-level name; swap it only while the app is built.
     host.LlamaProxy = functools.partial(CheckpointLlamaProxy, settings=settings)  # type: ignore[misc]
