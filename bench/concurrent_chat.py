@@ -40,6 +40,8 @@ from chat import ASSISTANT_REPLIES, USER_MESSAGES, Config, start, system_prompt,
 
 N_CTX, N_BATCH, N_THREADS = 4096, 512, 2
 SYSTEM_TOKENS = 400
+END_OF_GENERATION = (1, 106, 212)
+"""Gemma-3's end-of-generation tokens (``<eos>``, ``<end_of_turn>``, and ``</s>``, which llama.cpp counts as one)."""
 
 
 @dataclass
@@ -65,26 +67,26 @@ class Outcome:
         return sorted(t.ttft for t in self.turns if t.turn > 0 and t.ttft is not None)
 
 
-def servers(model: str, host_alone: bool) -> list[Config]:
+def servers(model: str, host_alone: bool, fixed: bool = False) -> list[Config]:
     python = sys.executable
     settings = ["--model", model, "--n_ctx", str(N_CTX), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
                 "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS), "--seed", "0",
                 "--interrupt_requests", "false"]
     # The embedded model's own chat format, named because --model names the file (llama-server gets the same
-    # through bench/transcript.jinja).
-    ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings, "--chat_format", DEFAULT_CHAT_FORMAT]
+    # through bench/transcript.jinja); with fixed replies, a format without stop strings (bench/alpaca.jinja).
+    chat_format, template = ("alpaca", "alpaca.jinja") if fixed else (DEFAULT_CHAT_FORMAT, "transcript.jinja")
+    ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings, "--chat_format", chat_format]
     out = [Config("p1", "ckpt-serve --parallel 1", [*ours, "--parallel", "1"], ckpt=True),
            Config("p4", "ckpt-serve --parallel 4", [*ours, "--parallel", "4"], ckpt=True)]
     if host_alone:
         out.append(Config("host", "llama_cpp.server", [python, "-m", "llama_cpp.server", *settings]))
     binary = shutil.which("llama-server")
     if binary:
-        template = ROOT / "bench" / "transcript.jinja"
         for n in (4, 1):
             out.append(Config(f"ls{n}", f"llama-server -np {n}", [
                 binary, "-m", model, "-c", str(N_CTX * n), "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t",
                 str(N_THREADS), "-tb", str(N_THREADS), "-np", str(n), "--seed", "0",
-                "--chat-template-file", str(template)], health="/health", llama_server=True))
+                "--chat-template-file", str(ROOT / "bench" / template)], health="/health", llama_server=True))
     return out
 
 
@@ -103,11 +105,15 @@ def conversations(users: int, turns: int, count: Any) -> list[list[list[dict[str
 
 
 def one_turn(
-    url: str, messages: list[dict[str, str]], max_tokens: int, result: Turn, llama_server: bool = False
+    url: str, messages: list[dict[str, str]], max_tokens: int, result: Turn, llama_server: bool = False,
+    fixed: bool = False,
 ) -> None:
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    if llama_server:
+    if fixed:
+        # Every reply max_tokens long: no end-of-generation token (the alpaca format has no stop string).
+        body["logit_bias"] = {str(token): -100 for token in END_OF_GENERATION}
+    elif llama_server:
         # The same prompts and stops as ckpt-serve's chat format for the template-less default model
         # (bench/transcript.jinja renders it), so that both servers do the same work.
         body["stop"] = list(TRANSCRIPT_STOP)
@@ -135,7 +141,8 @@ def one_turn(
         result.seconds = time.perf_counter() - started
 
 
-def run_server(config: Config, plan: list[list[list[dict[str, str]]]], max_tokens: int) -> Outcome:
+def run_server(config: Config, plan: list[list[list[dict[str, str]]]], max_tokens: int, fixed: bool = False
+               ) -> Outcome:
     outcome = Outcome(config.label, len(plan))
     with start(config) as server:
         # One warm-up request (not measured): model pages in, kernels ready.
@@ -144,7 +151,7 @@ def run_server(config: Config, plan: list[list[list[dict[str, str]]]], max_token
         def user_loop(user: int) -> None:
             for turn, messages in enumerate(plan[user]):
                 result = Turn(user, turn)
-                one_turn(server.url, messages, max_tokens, result, config.llama_server)
+                one_turn(server.url, messages, max_tokens, result, config.llama_server, fixed)
                 outcome.turns.append(result)
 
         threads = [threading.Thread(target=user_loop, args=(u,)) for u in range(len(plan))]
@@ -163,22 +170,27 @@ def percentile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def run(users: Sequence[int], turns: int, max_tokens: int, host_alone: bool, repeats: int = 1) -> Report:
+def run(users: Sequence[int], turns: int, max_tokens: int, host_alone: bool, repeats: int = 1,
+        fixed: bool = False) -> Report:
     model = gemma_path()
     count = token_counter(model)
-    report = Report("Concurrent users")
+    report = Report("Concurrent users" + (f", {max_tokens}-token replies" if fixed else ""))
+    replies = (f"exactly {max_tokens} tokens per reply (chat format `alpaca` / bench/alpaca.jinja, which has no stop "
+               "string, and end-of-generation tokens banned)" if fixed else
+               f"up to {max_tokens} tokens per reply, ending where the model starts the next turn (chat format "
+               "`ckpt-transcript` / bench/transcript.jinja, same stops)")
     report.text(f"Gemma-3-270M (Q4_K_M), n_ctx {N_CTX} per slot, n_batch {N_BATCH}, {N_THREADS} threads; each user a "
-                f"{SYSTEM_TOKENS}-token system prompt of its own and {turns} turns, all users at once, streamed, up to "
-                f"{max_tokens} tokens per reply at temperature 0. One server at a time; the servers take turns "
-                f"({repeats} round{'s' if repeats > 1 else ''}, medians), so that a slower period of the machine "
-                "falls on all of them.")
+                f"{SYSTEM_TOKENS}-token system prompt of its own and {turns} turns, all users at once, streamed, "
+                f"{replies}, at temperature 0. Both servers get the same prompts. One server at a time; the servers "
+                f"take turns ({repeats} round{'s' if repeats > 1 else ''}, medians), so that a slower period of the "
+                "machine falls on all of them.")
     for n_users in users:
         plan = conversations(n_users, turns, count)
-        configs = servers(model, host_alone)
+        configs = servers(model, host_alone, fixed)
         runs: dict[str, list[Outcome]] = {config.key: [] for config in configs}
         for round_ in range(repeats):
             for config in configs if round_ % 2 == 0 else configs[::-1]:
-                runs[config.key].append(run_server(config, plan, max_tokens))
+                runs[config.key].append(run_server(config, plan, max_tokens, fixed))
         # Each server against its one-slot counterpart's first round: ckpt-serve against --parallel 1, llama-server
         # against -np 1 (the two format chats differently, so their replies are not compared with each other).
         one_slot = {"p1": "p1", "p4": "p1", "ls4": "ls1", "ls1": "ls1"}
@@ -218,11 +230,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--host-alone", action="store_true", help="also llama_cpp.server without the plugin")
+    parser.add_argument("--fixed-replies", action="store_true",
+                        help="every reply --max-tokens long (a chat format without stop strings, end-of-generation "
+                        "tokens banned) instead of ending where the model starts the next turn")
     parser.add_argument("--repeats", type=int, default=2, help="rounds, the servers taking turns (default 2)")
     parser.add_argument("--markdown", type=pathlib.Path)
     parser.add_argument("--report-json", type=pathlib.Path)
     args = parser.parse_args(argv)
-    report = run([int(u) for u in args.users.split(",")], args.turns, args.max_tokens, args.host_alone, args.repeats)
+    report = run([int(u) for u in args.users.split(",")], args.turns, args.max_tokens, args.host_alone, args.repeats,
+                 args.fixed_replies)
     text = report.markdown()
     print(text)
     if args.markdown:
