@@ -88,3 +88,22 @@ def test_closing_a_view_ends_the_stream_it_left_open(make_llama: Callable[..., A
         assert stream is not None
     finally:
         parallel.close()
+
+
+def test_every_slot_holds_a_whole_context_in_a_stream_of_its_own(make_llama: Callable[..., Any]) -> None:
+    """Each slot has a KV stream of ``n_ctx`` cells: two concurrent prompts of nearly ``n_ctx`` tokens fit at once,
+    and each answers as on a plain ``Llama`` of that ``n_ctx``."""
+    plain = make_llama("llama", n_ctx=512)
+    parallel = ParallelLlama(make_llama("llama", n_ctx=512), 2, load_entrypoints=False)
+    try:
+        context = parallel.context
+        assert not context.unified and context.seq_n_ctx == 512 and context.n_ctx == 1024
+        words = ["alpha", "beta", "gamma", "delta", "eps", "zeta"]
+        long_prompts = [" ".join(words[(i + k) % 6] for i in range(88)) for k in range(2)]
+        assert all(400 < len(plain.tokenize(p.encode())) < 512 - 12 for p in long_prompts)
+        expected = [complete(plain, p)["choices"][0]["text"] for p in long_prompts]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: complete(parallel.view(), p)["choices"][0]["text"], long_prompts))
+        assert got == expected
+    finally:
+        parallel.close()

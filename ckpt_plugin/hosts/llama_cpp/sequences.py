@@ -32,6 +32,7 @@ class SequenceContext:
         sequence (``False``, llama.cpp's server's default with ``--parallel``): attention then spans a sequence's
         own cells only, where in a shared cache every token attends over the whole range of used cells, every
         sequence's (masked), which grows with the slots' turnover.
+    :ivar unified: Whether the sequences share one KV cache (else each has a stream of its own).
     :ivar lock: Held around every llama.cpp call on the context (llama.cpp contexts are not thread-safe).
     :ivar kind: The memory kind.
     :ivar fingerprint: What a state of this context must carry to be restored here.
@@ -54,6 +55,7 @@ class SequenceContext:
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_seq = n_seq
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.unified = unified
         reach = self.n_ctx if unified else self.n_ctx // n_seq
         self.seq_n_ctx = min(int(seq_n_ctx or reach), reach)
         self.n_batch = int(llama_cpp.llama_n_batch(self.ctx))
