@@ -108,8 +108,10 @@ def one_turn(
     url: str, messages: list[dict[str, str]], max_tokens: int, result: Turn, llama_server: bool = False,
     fixed: bool = False,
 ) -> None:
+    # repeat_penalty named: llama_cpp.server's default is 1.1 and llama-server's 1.0 (off), and a penalty costs a
+    # pass over the whole vocabulary per token; both servers sample alike with it named.
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "repeat_penalty": 1.0}
     if fixed:
         # Every reply max_tokens long: no end-of-generation token (the alpaca format has no stop string).
         body["logit_bias"] = {str(token): -100 for token in END_OF_GENERATION}
