@@ -2,7 +2,8 @@
 
 Every user has its own long system prompt (bench/chat.py's, about 400 tokens here) and fixed assistant turns (so
 every server sees the same prompts); the users' conversations run at the same time, each sending its next turn as
-soon as the previous reply ended. Replies are streamed, up to ``--max-tokens`` tokens (32) at temperature 0. Per
+soon as the previous reply ended. Replies are streamed, up to ``--max-tokens`` tokens (32; exactly that many with
+``--fixed-replies``) at temperature 0, with the same chat format and ``repeat_penalty`` on every server. Per
 server: wall time, completion tokens, TTFT p50 / p95 of the turns after the first, failed requests, and how many
 replies equal those of the same server with one slot in the first round (ckpt-serve ``--parallel 1``,
 ``llama-server -np 1``).
@@ -194,7 +195,7 @@ def run(users: Sequence[int], turns: int, max_tokens: int, host_alone: bool, rep
             for config in configs if round_ % 2 == 0 else configs[::-1]:
                 runs[config.key].append(run_server(config, plan, max_tokens, fixed))
         # Each server against its one-slot counterpart's first round: ckpt-serve against --parallel 1, llama-server
-        # against -np 1 (the two format chats differently, so their replies are not compared with each other).
+        # against -np 1 (the two evaluate in other batch splits, so their own replies differ at near ties).
         one_slot = {"p1": "p1", "p4": "p1", "ls4": "ls1", "ls1": "ls1"}
         rows = []
         walls: dict[str, float] = {}

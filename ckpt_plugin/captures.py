@@ -92,14 +92,11 @@ class Captures:
         """One state of the sequence's cells: the buffer written, ``pos_min`` and ``pos_max`` as they were during
         the copy; or what failed.
 
-        The sequences of a context share its KV cells, and a decode of another slot may take cells of this sequence
-        (those its next token no longer sees) at any step: ``pos_min`` then rises (llama.cpp keeps a sequence's
-        positions contiguous, and only other sequences' decodes move it while this slot copies) and the state
-        shrinks. A copy whose ``pos_min`` is the same after as before saw one state; one that is not is taken again,
-        ``attempts`` times at most, without a lock held against the other slots' decodes.
+        Where sequences share a context's KV cells, a decode of another slot may take cells of this sequence (those
+        its next token no longer sees) at any step: ``pos_min`` then rises and the state shrinks. A backend that
+        names a ``memory_lock`` keeps those decodes out for the copy. Without one, a copy whose ``pos_min`` is the
+        same after as before saw one state; one that is not is taken again, ``attempts`` times at most.
         """
-        # A backend whose context other slots decode into names the lock that keeps their decodes out: the copy then
-        # sees one state for certain (the checks below remain for backends without one).
         with getattr(backend, "memory_lock", None) or contextlib.nullcontext():
             return self._copy_once(backend, partial, attempts)
 

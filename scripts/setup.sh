@@ -23,7 +23,7 @@ LLAMA_CPP_SPEC="llama-cpp-python>=0.3.36,<0.4"  # the range pyproject.toml asks 
 if [ -z "${CMAKE_ARGS:-}" ]; then
   CMAKE_ARGS="$(bash scripts/cpu_cmake_args.sh)"
 fi
-export CMAKE_ARGS="${CMAKE_ARGS:-}"
+export CMAKE_ARGS
 # pip's own wheel cache ignores CMAKE_ARGS: wheels are kept per build configuration instead.
 build_key="$(printf '%s' "$CMAKE_ARGS" | sha256sum | cut -c1-16)"
 wheels="${XDG_CACHE_HOME:-$HOME/.cache}/ckpt_plugin/llama-cpp-wheels/$build_key"

@@ -180,7 +180,7 @@ class BatchScheduler:
         if not expected:
             return
         wait = min(self.max_wait, 2 * max(comeback.get(seq_id, self.max_wait / 4) for seq_id in expected))
-        deadline = time.monotonic() + wait
+        deadline = now + wait
         while not self._closed:
             waiting = {s.seq_id for s in self._pending}
             if all(seq_id in waiting for seq_id in expected):

@@ -27,19 +27,19 @@ class SequenceContext:
     :param llama: Gives the model and the context parameters (threads, flash attention, cache types, window).
     :param n_seq: Sequences (slots).
     :param n_ctx: Cells of the KV cache (default: ``llama``'s ``n_ctx``).
-    :param seq_n_ctx: The most positions one sequence may hold (default: every cell it can reach).
     :param unified: One KV cache the sequences share (``True``), or one stream of ``n_ctx / n_seq`` cells per
         sequence (``False``, llama.cpp's server's default with ``--parallel``): attention then spans a sequence's
         own cells only, where in a shared cache every token attends over the whole range of used cells, every
         sequence's (masked), which grows with the slots' turnover.
     :ivar unified: Whether the sequences share one KV cache (else each has a stream of its own).
+    :ivar seq_n_ctx: The most positions one sequence can hold: every cell, or its stream's.
     :ivar lock: Held around every llama.cpp call on the context (llama.cpp contexts are not thread-safe).
     :ivar kind: The memory kind.
     :ivar fingerprint: What a state of this context must carry to be restored here.
     """
 
     def __init__(
-        self, llama: Llama, n_seq: int, n_ctx: int | None = None, seq_n_ctx: int | None = None, unified: bool = True
+        self, llama: Llama, n_seq: int, n_ctx: int | None = None, unified: bool = True
     ) -> None:
         if n_seq < 1:
             raise ValueError("a context needs at least one sequence")
@@ -56,8 +56,7 @@ class SequenceContext:
         self.n_seq = n_seq
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
         self.unified = unified
-        reach = self.n_ctx if unified else self.n_ctx // n_seq
-        self.seq_n_ctx = min(int(seq_n_ctx or reach), reach)
+        self.seq_n_ctx = self.n_ctx if unified else self.n_ctx // n_seq
         self.n_batch = int(llama_cpp.llama_n_batch(self.ctx))
         self.n_vocab = int(llama.n_vocab())
         self.kind: MemoryKind = memory_kind(llama)
