@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -24,7 +25,7 @@ def prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def complete(llama: Any, prompt: str, **kwargs: Any) -> dict:
-    return llama.create_completion(prompt, max_tokens=12, temperature=0.0, **kwargs)
+    return llama.create_completion(prompt, **{"max_tokens": 12, "temperature": 0.0, **kwargs})
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -105,5 +106,94 @@ def test_every_slot_holds_a_whole_context_in_a_stream_of_its_own(make_llama: Cal
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(lambda p: complete(parallel.view(), p)["choices"][0]["text"], long_prompts))
         assert got == expected
+    finally:
+        parallel.close()
+
+
+def test_views_sample_a_row_as_the_host_chain_does(make_llama: Callable[..., Any]) -> None:
+    """A view runs the request's logits processors on the row and picks a greedy chain's token without filling the
+    vocabulary-sized candidates; every sampling setting still answers as the host's own chain on a plain ``Llama``,
+    NaN logits included (llama.cpp's greedy sampler never picks one)."""
+    from llama_cpp import LlamaGrammar, LogitsProcessorList
+
+    plain = make_llama("llama")
+    parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
+
+    def nan_first(input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        scores = scores.copy()
+        scores[0] = np.nan
+        return scores
+
+    def boost_last_input(input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        scores[int(input_ids[-1]) % len(scores)] += 3.0  # in place, as processors may
+        return scores
+
+    greedy = {"repeat_penalty": 1.0}
+    settings: list[dict[str, Any]] = [
+        greedy,
+        {**greedy, "logit_bias": {5: 100.0, 7: -100.0}},
+        {**greedy, "logits_processor": LogitsProcessorList([boost_last_input])},
+        {**greedy, "logits_processor": LogitsProcessorList([nan_first])},
+        {"repeat_penalty": 1.3, "logit_bias": {5: 2.0}},
+        {**greedy, "grammar": LlamaGrammar.from_string('root ::= ("alpha" | "beta" | " ")+', verbose=False)},
+        {**greedy, "temperature": 0.9, "seed": 7},
+    ]
+    try:
+        text = prompts(1, seed=3)[0]
+        for index, setting in enumerate(settings):
+            kwargs = {"temperature": 0.0, **setting}
+            expected = complete(plain, text, **kwargs)["choices"][0]["text"]
+            got = complete(parallel.view(), text, **kwargs)["choices"][0]["text"]
+            assert got == expected, setting
+            if index < 3:
+                # Greedy chains chose from the row: no slot has filled a candidates array yet.
+                assert all(backend._candidates is None for backend in parallel.backends), setting
+    finally:
+        parallel.close()
+
+
+def test_a_slot_cuts_past_its_end_and_reads_its_end_without_waiting_for_a_step(make_llama: Callable[..., Any]) -> None:
+    """Between two tokens a slot asks where its memory ends and cuts it there (the host's ``eval``): answered from
+    the slot's own bookkeeping, not by a call on the context, which would wait for the other slots' step in flight
+    (here: the context lock held by another thread)."""
+    plain = make_llama("llama")
+    parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
+    try:
+        text = prompts(1, seed=5)[0]
+        assert complete(parallel.view(), text)["choices"][0]["text"] == complete(plain, text)["choices"][0]["text"]
+        backend = next(b for b in parallel.backends if b.end_bound)
+        end = backend.end_bound
+        truth = backend.pos_max()
+        with parallel.context.lock:  # the step in flight, as far as the slot can tell
+            answers: list[Any] = []
+            asker = threading.Thread(target=lambda: answers.extend([backend.pos_max(), backend.truncate(end)]))
+            asker.start()
+            asker.join(5)
+            assert not asker.is_alive(), "the slot waited for the context"
+        assert answers == [truth, True] and truth == end - 1
+        # A cut into the sequence does call llama.cpp, and the bookkeeping follows it.
+        assert backend.truncate(end - 3)
+        assert backend.end_bound == end - 3 and backend.pos_max() == end - 4
+        with parallel.context.lock:
+            assert int(llama_cpp.llama_memory_seq_pos_max(parallel.context.memory, backend.seq_id)) == end - 4
+    finally:
+        parallel.close()
+
+
+def test_a_callback_at_the_next_step_runs_before_that_steps_decode(make_llama: Callable[..., Any]) -> None:
+    from ckpt_plugin.hosts.llama_cpp.scheduler import at_next_step
+
+    parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
+    try:
+        scheduler = parallel.scheduler
+        seen: list[int] = []
+        at_next_step(lambda: seen.append(scheduler.steps))
+        at_next_step(lambda: 1 / 0)  # logged, and the step goes on
+        before = scheduler.steps
+        tokens = np.array([5, 6, 7, 8], dtype=np.int32)
+        rows = scheduler.decode(0, tokens, 0, 3)
+        assert seen == [before] and scheduler.steps == before + 1 and rows.shape[0] == 1
+        scheduler.decode(0, tokens[:1] + 1, 4, 0)  # nothing registered: nothing runs
+        assert seen == [before]
     finally:
         parallel.close()

@@ -19,6 +19,7 @@ from ckpt_plugin.middleware import CheckpointMiddleware
 
 from .guards import host_route_guards, warm_up
 from .proxy import CheckpointLlamaProxy, RequestViews
+from .read_ahead import collect_streams, iterate_chunks, stop_streams
 
 
 def create_app(
@@ -72,6 +73,10 @@ def serve_without_the_host_lock(app: Any) -> None:
     middleware's admission queue bounds the requests in flight and each gets its own slot: the proxy is handed out
     without the locks, as a :class:`RequestViews` whose views are closed when the request ends. Models without
     parallel slots are still served under the host's locks.
+
+    Streams are read ahead (:mod:`.read_ahead`): each slot's next token is submitted as soon as its chunk is made,
+    not after the event loop has taken the chunk, so that a batched step does not wait for the event loop to serve
+    every slot in turn.
     """
     locked = getattr(host.get_llama_proxy, "__wrapped__", host.get_llama_proxy)
 
@@ -79,9 +84,11 @@ def serve_without_the_host_lock(app: Any) -> None:
         proxy = host_compat.server_llama_proxy(host)
         if getattr(proxy, "parallel", None) is not None:
             views = RequestViews(proxy)
+            streams = collect_streams()
             try:
                 yield views
             finally:
+                stop_streams(streams)
                 # Also when the request was cancelled (its client left): the slot must not wait for the collector.
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(views.close)
@@ -90,6 +97,7 @@ def serve_without_the_host_lock(app: Any) -> None:
             yield held
 
     get_llama_proxy.__wrapped__ = locked  # type: ignore[attr-defined]
-    # The routes call the module-level name; their ``Depends`` captured the original function.
+    # The routes call the module-level names; their ``Depends`` captured the original function.
     host.get_llama_proxy = get_llama_proxy
+    host.iterate_in_threadpool = iterate_chunks
     app.dependency_overrides[locked] = get_llama_proxy

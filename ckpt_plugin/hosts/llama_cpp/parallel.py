@@ -59,7 +59,7 @@ class ViewBackend(HostRows, SequenceBackend):
         """Keep ``view``'s bookkeeping from now on (its request holds the slot)."""
         self._use_host(view)
         self.take_over_scores()
-        view.sequence.seq_id = self.seq_id
+        view.sequence.bind(self)
         view.slot_rows = lambda: self.last_outputs
         view.candidates = self.candidates
 
@@ -73,7 +73,12 @@ class ViewBackend(HostRows, SequenceBackend):
         self.truncate(n_past)
 
     def _decode_chunk(self, chunk: np.ndarray, n_past: int, first: int) -> np.ndarray:
-        self.last_outputs = self.scheduler.decode(self.seq_id, chunk, n_past, first)
+        try:
+            self.last_outputs = self.scheduler.decode(self.seq_id, chunk, n_past, first)
+        except BaseException:
+            self.evaluated(None)
+            raise
+        self.evaluated(n_past + len(chunk))
         return self.last_outputs
 
 

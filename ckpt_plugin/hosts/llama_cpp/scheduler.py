@@ -20,10 +20,11 @@ contexts are not thread-safe.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
-from typing import Iterator
+from typing import Callable, Iterator
 
 import llama_cpp
 import numpy as np
@@ -31,14 +32,40 @@ import numpy as np
 from ...errors import StateRestoreError
 from .sequences import SequenceContext
 
+log = logging.getLogger("ckpt_plugin")
+
 _GENERATED_TOKENS = 8
 """Submissions this short are a generated token (or a few drafted ones): they go first in a step."""
+
+
+_next_step = threading.local()
+
+
+def at_next_step(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the calling thread's next submission goes into a step, just before that step's decode.
+
+    For work a slot's thread hands to other threads (a streamed chunk for the event loop to send): done then, it
+    runs while llama.cpp computes, instead of between two steps, where every slot's own Python work is on the path
+    to the next step. A callback that raises is logged and ignored.
+    """
+    callbacks = getattr(_next_step, "callbacks", None)
+    if callbacks is None:
+        callbacks = _next_step.callbacks = []
+    callbacks.append(callback)
+
+
+def _run_callbacks(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        try:
+            callback()
+        except Exception:
+            log.exception("a callback run at a batched step failed")
 
 
 class _Submission:
     """Tokens of one slot waiting for evaluation, with the logits rows it asked for."""
 
-    __slots__ = ("seq_id", "tokens", "positions", "flags", "outputs", "taken", "rows", "done", "error")
+    __slots__ = ("seq_id", "tokens", "positions", "flags", "outputs", "taken", "rows", "done", "error", "at_step")
 
     def __init__(self, seq_id: int, tokens: np.ndarray, n_past: int, first: int, n_vocab: int) -> None:
         n = len(tokens)
@@ -52,6 +79,7 @@ class _Submission:
         self.rows = 0  # output rows already filled
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.at_step: list[Callable[[], None]] | None = None
 
     @property
     def remaining(self) -> int:
@@ -66,6 +94,8 @@ class BatchScheduler:
     :ivar steps: Decodes run so far.
     :ivar batched_tokens: Tokens decoded so far; ``batched_tokens / steps`` is the mean batch size.
     :ivar shared_steps: Decodes that carried the tokens of more than one sequence.
+    :ivar decode_seconds: Time spent in ``llama_decode``.
+    :ivar idle_seconds: Time the scheduler waited with nothing submitted (every slot idle, or working in Python).
     """
 
     def __init__(self, context: SequenceContext, max_wait: float = 0.03) -> None:
@@ -74,6 +104,8 @@ class BatchScheduler:
         self.steps = 0
         self.batched_tokens = 0
         self.shared_steps = 0
+        self.decode_seconds = 0.0
+        self.idle_seconds = 0.0
         self._done_at: dict[int, float] = {}  # when each sequence's last submission completed
         self._comeback: dict[int, float] = {}  # how long each generating sequence takes to submit again (EWMA)
         self._cond = threading.Condition()
@@ -120,8 +152,11 @@ class BatchScheduler:
         if not len(tokens):
             return np.empty((0, self.context.n_vocab), dtype=np.single)
         submission = _Submission(seq_id, tokens, n_past, first, self.context.n_vocab)
+        submission.at_step, _next_step.callbacks = getattr(_next_step, "callbacks", None), None
         with self._cond:
             if self._closed:
+                if submission.at_step:
+                    _run_callbacks(submission.at_step)
                 raise StateRestoreError("the batch scheduler is closed")
             done_at = self._done_at.get(seq_id)
             if done_at is not None and seq_id in self._generating:
@@ -148,11 +183,16 @@ class BatchScheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
+                if not self._pending:
+                    idle_from = time.perf_counter()
+                    while not self._pending and not self._closed:
+                        self._cond.wait()
+                    self.idle_seconds += time.perf_counter() - idle_from
                 if self._closed:
                     for submission in self._pending:
                         submission.error = StateRestoreError("the batch scheduler is closed")
+                        if submission.at_step and not submission.taken:
+                            _run_callbacks(submission.at_step)
                         submission.done.set()
                     self._pending.clear()
                     return
@@ -221,8 +261,13 @@ class BatchScheduler:
             at = end
         batch.n_tokens = at
         context = self.context
+        for submission, start, _ in step:
+            if start == 0 and submission.at_step:
+                _run_callbacks(submission.at_step)
         with context.lock:
+            started = time.perf_counter()
             status = int(llama_cpp.llama_decode(context.ctx, batch))
+            self.decode_seconds += time.perf_counter() - started
             if status == 0:
                 self._collect(step)
         self.steps += 1

@@ -129,6 +129,38 @@ class SequenceBackend:
         self.kind = context.kind
         self.fingerprint = context.fingerprint
         self.n_ctx = context.seq_n_ctx
+        # Kept by this backend's own calls, so that the slot's questions and cuts between two tokens need no call on
+        # the context (each would wait for the other slots' step in flight); None: unknown, asked under the lock.
+        # end_bound: no position at or past it is in the sequence; a cut past it has nothing to remove. Not used
+        # for a recurrent memory, which keeps per-token snapshots past its last position that a cut clears.
+        self.end_bound: int | None = None
+        # _pos_max: what llama.cpp answers for the sequence's largest position (a sliding-window memory answers for
+        # its window, so this is not end_bound - 1 after a partial restore).
+        self._pos_max: int | None = None
+
+    def evaluated(self, end: int | None) -> None:
+        """The sequence, cut to some ``n_past`` first, got positions ``n_past..end - 1`` from a caller other than
+        this backend (a batched step); ``None``: an evaluation that failed part-way, its end is unknown."""
+        bound = self.end_bound
+        self.end_bound = None if end is None or bound is None else max(bound, end)
+        self._pos_max = None if end is None else end - 1
+
+    def remove(self, p0: int, p1: int) -> bool:
+        """Remove positions ``[p0, p1)`` (negative: from the start, to the end), as ``llama_memory_seq_rm``."""
+        start = max(p0, 0)
+        if p1 < 0 and not self.kind.recurrent and self.end_bound is not None and self.end_bound <= start:
+            return True  # nothing there to remove
+        with self.context.lock:
+            removed = bool(llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, p0, p1))
+            self._ask_pos_max()
+        if removed and p1 < 0:
+            self.end_bound = start if self.end_bound is None else min(self.end_bound, start)
+        return removed
+
+    def _ask_pos_max(self) -> int:
+        # The lock is held.
+        self._pos_max = int(llama_cpp.llama_memory_seq_pos_max(self.context.memory, self.seq_id))
+        return self._pos_max
 
     @property
     def memory_lock(self) -> threading.RLock:
@@ -147,26 +179,33 @@ class SequenceBackend:
     def write_state(self, buffer: np.ndarray, partial: bool) -> int:
         # The read-only buffer is handed over by address: llama.cpp only reads it.
         with self.context.lock:
-            return int(llama_cpp.llama_state_seq_set_data_ext(
+            # Unknown, not pos_max: a partial state restores the window only, and a sliding-window memory reports
+            # the window's positions while its full-attention cells may hold more.
+            self.end_bound = None
+            read = int(llama_cpp.llama_state_seq_set_data_ext(
                 self.context.ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, self.seq_id, _flags(partial)))
+            self._ask_pos_max()
+            return read
 
     def pos_min(self) -> int:
         with self.context.lock:
             return int(llama_cpp.llama_memory_seq_pos_min(self.context.memory, self.seq_id))
 
     def pos_max(self) -> int:
+        known = self._pos_max
+        if known is not None:
+            return known
         with self.context.lock:
-            return int(llama_cpp.llama_memory_seq_pos_max(self.context.memory, self.seq_id))
+            return self._ask_pos_max()
 
     def truncate(self, n_keep: int) -> bool:
-        with self.context.lock:
-            return bool(llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, n_keep, -1))
+        return self.remove(n_keep, -1)
 
     def clear(self) -> None:
-        with self.context.lock:
-            llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, -1, -1)
+        self.remove(-1, -1)
 
     def decode(self, tokens: np.ndarray) -> None:
+        self.end_bound = self._pos_max = None  # the context's decode appends after whatever the sequence holds
         self.context.decode(self.seq_id, tokens)
 
     def logits(self) -> np.ndarray:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import inspect
-from typing import Any, Callable
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import llama_cpp
 import numpy as np
@@ -24,10 +26,33 @@ from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
 from llama_cpp.llama import Llama
 
 from ... import host_compat as host
-from .sequences import SequenceContext
+from .sequences import SequenceBackend, SequenceContext
 
 _SAMPLE_SIGNATURE = inspect.signature(Llama.sample)
-_SAMPLER_PARAMETERS = frozenset(inspect.signature(Llama._init_sampler).parameters) - {"self"}
+_INIT_SAMPLER_SIGNATURE = inspect.signature(Llama._init_sampler)
+_SAMPLER_PARAMETERS = frozenset(_INIT_SAMPLER_SIGNATURE.parameters) - {"self"}
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """What a view knows of a sampler chain it made, to sample a logits row with less work than the host's chain.
+
+    :ivar processors: The request's logits processors. The host runs them in a custom sampler first in the chain, on
+        the whole vocabulary in vocabulary order, through a record array built per token; a view leaves that sampler
+        out of the chain and runs them on the row itself before the chain, which is the same computation.
+    :ivar greedy: The chain is greedy with penalties that do nothing (temperature 0, no grammar, repeat penalty 1,
+        no frequency or presence penalty): its choice is the row's first largest logit, found without filling the
+        vocabulary-sized candidates array.
+    """
+
+    processors: Sequence[Callable[[np.ndarray, np.ndarray], np.ndarray]]
+    greedy: bool
+
+
+def _penalties_do_nothing(last_n: int, repeat: float, frequency: float, presence: float) -> bool:
+    # llama.cpp's own test, on the values as the sampler stores them (32-bit floats).
+    return last_n == 0 or (np.float32(repeat) == 1.0 and np.float32(frequency) == 0.0
+                           and np.float32(presence) == 0.0)
 
 
 class SequenceHandle:
@@ -43,6 +68,12 @@ class SequenceHandle:
         self.ctx = context.ctx
         self.seq_id: int | None = None
         self._n_ctx = n_ctx
+        self._sequence: SequenceBackend | None = None
+
+    def bind(self, sequence: SequenceBackend) -> None:
+        """Act on ``sequence`` from now on (the view's request holds its slot)."""
+        self._sequence = sequence
+        self.seq_id = sequence.seq_id
 
     def n_ctx(self) -> int:
         return self._n_ctx
@@ -53,10 +84,9 @@ class SequenceHandle:
     def kv_cache_seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
         """Remove positions ``[p0, p1)`` of the view's own sequence, whatever ``seq_id`` the host names (it names
         -1, every sequence, which would be every other slot's too)."""
-        if self.seq_id is None:
+        if self._sequence is None:
             return True  # nothing of this view is in the memory yet
-        with self.context.lock:
-            return bool(llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, p0, p1))
+        return self._sequence.remove(p0, p1)
 
     def kv_cache_clear(self) -> None:
         self.kv_cache_seq_rm(-1, -1, -1)
@@ -77,14 +107,16 @@ class SequenceHandle:
 class SlotLlama(Llama):
     """A per-request view of a ``Llama`` on one sequence of a shared context (see the module docstring).
 
-    Made by :func:`view_of`, never by its constructor. ``sequence`` is its context handle, ``slot_rows`` returns the logits rows of the slot's last
-    evaluation, ``candidates`` a reusable candidates array, once the view is bound to a slot.
+    Made by :func:`view_of`, never by its constructor. ``sequence`` is its context handle, ``slot_rows`` returns the
+    logits rows of the slot's last evaluation, ``candidates`` a reusable candidates array, once the view is bound to
+    a slot; ``row_sampling`` says how each sampler chain the view made samples a row (:class:`RowSampling`).
     """
 
     sequence: SequenceHandle
     slot_rows: Callable[[], np.ndarray]
     candidates: Callable[[], LlamaTokenDataArray]
     end_generations: Callable[[], None] = staticmethod(lambda: None)
+    row_sampling: weakref.WeakKeyDictionary[LlamaSampler, RowSampling]
 
     def reset(self) -> None:
         """The host's ``reset``, on the view's own sequence only (the host clears every sequence of a recurrent
@@ -93,17 +125,46 @@ class SlotLlama(Llama):
         host.set_evaluated_prefix(self, self.input_ids, 0)
         self.sequence.kv_cache_clear()
 
+    def _init_sampler(self, *args: Any, **kwargs: Any) -> LlamaSampler:
+        """The host's sampler chain without its logits-processor sampler, and how to sample a row with it
+        (:class:`RowSampling`, kept for :meth:`sample`)."""
+        bound = _INIT_SAMPLER_SIGNATURE.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        processors = arguments.pop("logits_processor")
+        del arguments["self"]
+        sampler = Llama._init_sampler(self, logits_processor=None, **arguments)
+        greedy = (arguments["temp"] == 0.0 and arguments["grammar"] is None
+                  and _penalties_do_nothing(self.last_n_tokens_size, arguments["repeat_penalty"],
+                                            arguments["frequency_penalty"], arguments["presence_penalty"]))
+        self.row_sampling[sampler] = RowSampling(list(processors or ()), greedy)
+        return sampler
+
     def sample(self, *args: Any, **kwargs: Any) -> int:
         """The host's ``sample``, reading the slot's logits rows (``idx`` counts as in the host)."""
-        bound = _SAMPLE_SIGNATURE.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = bound.arguments
         sampler = self._sampler
-        if sampler is None:  # the host makes a temporary sampler for a direct call too
-            sampler = self._init_sampler(**{k: v for k, v in arguments.items() if k in _SAMPLER_PARAMETERS})
-        idx = arguments["idx"]
+        if sampler is None or args:
+            bound = _SAMPLE_SIGNATURE.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = bound.arguments
+            if sampler is None:  # the host makes a temporary sampler for a direct call too
+                sampler = self._init_sampler(**{k: v for k, v in arguments.items() if k in _SAMPLER_PARAMETERS})
+            idx = arguments["idx"]
+        else:  # the host's own calls name every argument: no binding needed
+            idx = kwargs.get("idx")
         rows = self.slot_rows()
         row = rows[idx - self.n_tokens if idx is not None else -1]
+        plan = self.row_sampling.get(sampler)
+        if plan is not None and plan.processors:
+            row = row.copy()  # the processors may write to it; the slot's rows are the request's logprobs too
+            input_ids = self._input_ids
+            for processor in plan.processors:
+                row[:] = processor(input_ids, row)
+        if plan is not None and plan.greedy:
+            token = int(np.argmax(row))
+            if not np.isnan(row[token]):  # llama.cpp's greedy sampler skips NaN, numpy's argmax picks it
+                llama_cpp.llama_sampler_accept(sampler.sampler, token)
+                return token
         return sample_row(sampler, row, self.candidates())
 
     def close(self) -> None:
@@ -140,4 +201,5 @@ def view_of(llama: Llama, context: SequenceContext) -> SlotLlama:
     view.scores = np.zeros((1, int(llama.n_vocab())), dtype=np.single)
     view.n_tokens = 0
     view.cache = None
+    view.row_sampling = weakref.WeakKeyDictionary()
     return view
