@@ -117,7 +117,10 @@ def _produce(iterator: Iterator[object], handoff: Handoff, wake: Wake | None) ->
     # another thread while it runs).
     close = getattr(iterator, "close", None)
     if close is not None:
-        close()
+        try:
+            close()
+        except ValueError:
+            pass  # a part of it is being closed by the request's end in another thread, which frees the slot
 
 
 _stops: contextvars.ContextVar[list[Handoff] | None] = contextvars.ContextVar("ckpt_read_ahead_stops", default=None)
