@@ -4,7 +4,6 @@ same request on a plain ``Llama``, with the tokens of the busy slots decoded in 
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -196,36 +195,5 @@ def test_a_callback_at_the_next_step_runs_before_that_steps_decode(make_llama: C
         assert seen == [before] and scheduler.steps == before + 1 and rows.shape[0] == 1
         scheduler.decode(0, tokens[:1] + 1, 4, 0)  # nothing registered: nothing runs
         assert seen == [before]
-    finally:
-        parallel.close()
-
-
-def test_a_slot_holding_the_context_for_its_prepare_gets_its_prompt_into_the_next_step(
-    make_llama: Callable[..., Any]
-) -> None:
-    """A slot changing hands holds the context from before its prepare until its prompt is queued: no step starts
-    meanwhile, and the step that was waiting carries the prompt with what the other slots submitted."""
-    parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
-    scheduler = parallel.scheduler
-    try:
-        other_rows: list[np.ndarray] = []
-        with scheduler.held_until_submitted():
-            other = threading.Thread(
-                target=lambda: other_rows.append(scheduler.decode(1, np.array([5, 6, 7], dtype=np.int32), 0, 2)))
-            other.start()
-            deadline = time.monotonic() + 10
-            while not scheduler._pending:  # the other slot's tokens wait: the context is held
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            assert scheduler.steps == 0
-            rows = scheduler.decode(0, np.array([8, 9], dtype=np.int32), 0, 1)  # queued, then the hold is let go
-        other.join(10)
-        assert scheduler.steps == 1 and scheduler.shared_steps == 1
-        assert len(rows) == 1 and len(other_rows[0]) == 1
-        # Nothing holds the context afterwards.
-        free = threading.Thread(target=lambda: parallel.context.lock.acquire() and parallel.context.lock.release())
-        free.start()
-        free.join(5)
-        assert not free.is_alive()
     finally:
         parallel.close()

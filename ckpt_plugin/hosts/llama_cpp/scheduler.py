@@ -54,30 +54,6 @@ def at_next_step(callback: Callable[[], None]) -> None:
     callbacks.append(callback)
 
 
-class _Hold:
-    """The context lock a thread holds until its next submission is queued."""
-
-    __slots__ = ("lock", "held")
-
-    def __init__(self, lock: threading.RLock) -> None:
-        self.lock = lock
-        self.held = True
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.lock.release()
-
-
-def release_hold() -> None:
-    """Let go of the calling thread's hold on the context (:meth:`BatchScheduler.held_until_submitted`), if it
-    still has one: before anything that may wait on other code, without a submission to release it."""
-    hold = getattr(_next_step, "hold", None)
-    if hold is not None:
-        _next_step.hold = None
-        hold.release()
-
-
 def _run_callbacks(callbacks: list[Callable[[], None]]) -> None:
     for callback in callbacks:
         try:
@@ -147,28 +123,6 @@ class BatchScheduler:
         self._thread.start()
 
     @contextlib.contextmanager
-    def held_until_submitted(self) -> Iterator[None]:
-        """Hold the context (no step starts) from now until the calling thread's next submission is queued, or the
-        block ends.
-
-        For a slot changing hands: its prepare (a look at the memory, a state parked and one restored, a cut: each
-        a call on the context) and the submission of its prompt then happen between two steps, and the next step
-        carries the prompt, as in llama.cpp's server, whose loop does the same between two decodes. Without the
-        hold, each call waits for the step in flight, and the step that was waiting for the context starts without
-        the prompt.
-        """
-        lock = self.context.lock
-        lock.acquire()
-        hold = _Hold(lock)
-        _next_step.hold = hold
-        try:
-            yield
-        finally:
-            if getattr(_next_step, "hold", None) is hold:
-                _next_step.hold = None
-            hold.release()
-
-    @contextlib.contextmanager
     def generating(self, seq_id: int) -> Iterator[None]:
         """Mark ``seq_id`` as generating while the block runs: steps wait briefly for its next token."""
         with self._cond:
@@ -211,7 +165,6 @@ class BatchScheduler:
                 self._comeback[seq_id] = seconds if known is None else 0.7 * known + 0.3 * seconds
             self._pending.append(submission)
             self._cond.notify_all()
-        release_hold()  # queued: the step that waits for the context lock carries it
         submission.done.wait()
         if submission.error is not None:
             raise submission.error
@@ -244,22 +197,16 @@ class BatchScheduler:
                     self._pending.clear()
                     return
                 self._gather()
-            # The step is composed once the context is ours: a slot that held it for its prepare has queued its
-            # prompt by then (see held_until_submitted).
-            with self.context.lock:
+                step = self._take()
+            try:
+                self._decode(step)
+            except BaseException as exc:  # whatever broke, no slot may wait forever on this step
                 with self._cond:
-                    step = self._take()
-                if not step:
-                    continue
-                try:
-                    self._decode(step)
-                except BaseException as exc:  # whatever broke, no slot may wait forever on this step
-                    with self._cond:
-                        for submission, _, _ in step:
-                            submission.error = exc
-                            if submission in self._pending:
-                                self._pending.remove(submission)
-                            submission.done.set()
+                    for submission, _, _ in step:
+                        submission.error = exc
+                        if submission in self._pending:
+                            self._pending.remove(submission)
+                        submission.done.set()
 
     def _gather(self) -> None:
         """Wait (boundedly) until every generating slot that is between two tokens has submitted its next ones, if
