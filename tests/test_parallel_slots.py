@@ -197,3 +197,25 @@ def test_a_callback_at_the_next_step_runs_before_that_steps_decode(make_llama: C
         assert seen == [before]
     finally:
         parallel.close()
+
+
+def test_a_callback_registered_while_a_step_decodes_runs_at_once(make_llama: Callable[..., Any]) -> None:
+    """A chunk made while another step computes is sent then, not after that step (a prompt chunk's step can be
+    long): the wake-up is postponed only between two steps."""
+    from ckpt_plugin.hosts.llama_cpp import scheduler as scheduling
+
+    parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
+    try:
+        ran: list[str] = []
+        scheduling._decoding.add(id(parallel.scheduler))  # as during llama_decode
+        try:
+            scheduling.at_next_step(lambda: ran.append("now"))
+        finally:
+            scheduling._decoding.discard(id(parallel.scheduler))
+        assert ran == ["now"]
+        scheduling.at_next_step(lambda: ran.append("at the step"))
+        assert ran == ["now"]
+        parallel.scheduler.decode(0, np.array([5, 6], dtype=np.int32), 0, 1)
+        assert ran == ["now", "at the step"]
+    finally:
+        parallel.close()

@@ -39,6 +39,7 @@ _GENERATED_TOKENS = 8
 
 
 _next_step = threading.local()
+_decoding: set[int] = set()  # the schedulers in llama_decode now (set.add and discard are atomic)
 
 
 def at_next_step(callback: Callable[[], None]) -> None:
@@ -46,8 +47,12 @@ def at_next_step(callback: Callable[[], None]) -> None:
 
     For work a slot's thread hands to other threads (a streamed chunk for the event loop to send): done then, it
     runs while llama.cpp computes, instead of between two steps, where every slot's own Python work is on the path
-    to the next step. A callback that raises is logged and ignored.
+    to the next step. While a step is being decoded the callback runs at once: the next step would start only
+    after it (a long prompt chunk can take most of a second). A callback that raises is logged and ignored.
     """
+    if _decoding:
+        _run_callbacks([callback])
+        return
     callbacks = getattr(_next_step, "callbacks", None)
     if callbacks is None:
         callbacks = _next_step.callbacks = []
@@ -266,7 +271,11 @@ class BatchScheduler:
                 _run_callbacks(submission.at_step)
         with context.lock:
             started = time.perf_counter()
-            status = int(llama_cpp.llama_decode(context.ctx, batch))
+            _decoding.add(id(self))
+            try:
+                status = int(llama_cpp.llama_decode(context.ctx, batch))
+            finally:
+                _decoding.discard(id(self))
             self.decode_seconds += time.perf_counter() - started
             if status == 0:
                 self._collect(step)
