@@ -7,7 +7,7 @@ slot, and the event loop serves the slots one after another, so a step waits for
 :func:`read_ahead` has the same contract (an async iterator over a blocking iterator, each item made with the
 caller's context variables) but one thread drives the iterator to its end, a bounded number of chunks ahead of the
 sender: a slot's next token is submitted as soon as its chunk is made, and the event loop is woken for the chunk
-when that token's step starts, so that sending it runs while llama.cpp computes.
+when that token's step starts (at once if a step is decoding), so that sending it runs while llama.cpp computes.
 
 A consumer that stops (its client left, the request was cancelled) stops the thread: it makes no further chunk,
 and closes the iterator in its own thread, which frees the slot.
