@@ -60,20 +60,22 @@ class SequenceHandle:
 
     :param context: The shared context.
     :param n_ctx: The most positions the sequence holds (what the view's ``n_ctx()`` says).
-    :ivar seq_id: The sequence, once the view is bound to a slot (``None`` before).
     """
 
     def __init__(self, context: SequenceContext, n_ctx: int) -> None:
         self.context = context
         self.ctx = context.ctx
-        self.seq_id: int | None = None
         self._n_ctx = n_ctx
         self._sequence: SequenceBackend | None = None
 
     def bind(self, sequence: SequenceBackend) -> None:
         """Act on ``sequence`` from now on (the view's request holds its slot)."""
         self._sequence = sequence
-        self.seq_id = sequence.seq_id
+
+    @property
+    def seq_id(self) -> int | None:
+        """The sequence, once the view is bound to a slot (``None`` before)."""
+        return None if self._sequence is None else self._sequence.seq_id
 
     def n_ctx(self) -> int:
         return self._n_ctx
