@@ -148,7 +148,7 @@ class CheckpointManager:
         return self.slots[0].backend
 
     @property
-    def lock(self) -> threading.Lock:
+    def lock(self) -> threading.RLock:
         """Slot 0's lock: held by the host-facing layer while a request uses the slot."""
         return self.slots[0].lock
 

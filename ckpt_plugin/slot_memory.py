@@ -60,7 +60,9 @@ class SlotMemory:
         self.counters = counters
         self.hooks = hooks
         self.captures = captures
-        self.lock = threading.Lock()
+        # Reentrant: a slot changing hands keeps it from its prepare to its prompt's submission, across the host's
+        # calls that take it again (see BatchScheduler.held_until_submitted).
+        self.lock = threading.RLock()
         # Set by the host-facing layer while a generation holds the slot (across its tokens, not only its calls).
         self.busy = False
         self.slot = Slot(slot_id, backend.n_ctx)

@@ -78,6 +78,11 @@ class TieredStore:
             hits += tier.find(asked) if probe is None else probe.find(self.tier_name(tier), tier, asked)
         return hits
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether every tier is this process's memory: no lookup, read or write waits on a disk or the network."""
+        return self.disk is None and self.shared is None
+
     def tier_name(self, tier: CacheTier) -> Tier:
         """The name of one of the store's tiers."""
         return Tier.RAM if tier is self.ram else Tier.DISK if tier is self.disk else Tier.SHARED

@@ -4,6 +4,7 @@ same request on a plain ``Llama``, with the tokens of the busy slots decoded in 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -217,5 +218,62 @@ def test_a_callback_registered_while_a_step_decodes_runs_at_once(make_llama: Cal
         assert ran == ["now"]
         parallel.scheduler.decode(0, np.array([5, 6], dtype=np.int32), 0, 1)
         assert ran == ["now", "at the step"]
+    finally:
+        parallel.close()
+
+
+def test_a_slot_holding_the_context_for_its_prepare_gets_its_prompt_into_the_next_step(
+    make_llama: Callable[..., Any]
+) -> None:
+    """A slot changing hands holds its slot and the context from before its prepare until its prompt is queued: no step starts
+    meanwhile, and the step that was waiting carries the prompt with what the other slots submitted."""
+    parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
+    scheduler = parallel.scheduler
+    try:
+        other_rows: list[np.ndarray] = []
+        with scheduler.held_until_submitted(parallel.manager.slots[0].lock):
+            other = threading.Thread(
+                target=lambda: other_rows.append(scheduler.decode(1, np.array([5, 6, 7], dtype=np.int32), 0, 2)))
+            other.start()
+            deadline = time.monotonic() + 10
+            while not scheduler._pending:  # the other slot's tokens wait: the context is held
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            assert scheduler.steps == 0
+            rows = scheduler.decode(0, np.array([8, 9], dtype=np.int32), 0, 1)  # queued, then the hold is let go
+        other.join(10)
+        assert scheduler.steps == 1 and scheduler.shared_steps == 1
+        assert len(rows) == 1 and len(other_rows[0]) == 1
+        # Nothing holds the context afterwards.
+        for lock in (parallel.context.lock, parallel.manager.slots[0].lock):
+            free = threading.Thread(target=lambda lock=lock: lock.acquire() and lock.release())
+            free.start()
+            free.join(5)
+            assert not free.is_alive()
+    finally:
+        parallel.close()
+
+
+def test_a_hold_takes_the_slots_lock_before_the_context(make_llama: Callable[..., Any]) -> None:
+    """The order of every other path (a slot file action holds its slot's lock, then calls on the context): a
+    prepare waiting for a slot someone else holds has not taken the context, so the holder can still use it."""
+    parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
+    scheduler, slot_lock = parallel.scheduler, parallel.manager.slots[0].lock
+    try:
+        entered = threading.Event()
+
+        def prepare() -> None:
+            with scheduler.held_until_submitted(slot_lock):
+                entered.set()
+
+        with slot_lock:  # a slot file action on slot 0
+            waiting = threading.Thread(target=prepare)
+            waiting.start()
+            time.sleep(0.2)
+            assert not entered.is_set()
+            assert parallel.context.lock.acquire(timeout=5)  # the action's call on the context
+            parallel.context.lock.release()
+        waiting.join(10)
+        assert entered.is_set()
     finally:
         parallel.close()

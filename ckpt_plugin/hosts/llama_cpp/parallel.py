@@ -20,6 +20,7 @@ A draft model is not supported with N > 1 (the draft context has one sequence): 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Any, Iterator, Sequence
@@ -115,7 +116,11 @@ class _SlotAttachment(_Attachment):
             self.controller = parallel.manager.slots[slot_id]
             self.backend = parallel.backends[slot_id]
             self.backend.bind(self.llama)
-            with parallel.scheduler.generating(slot_id):
+            # With a store all in memory, the prepare holds the slot and the context until the prompt is queued
+            # (BatchScheduler.held_until_submitted); a disk or shared tier may wait on a read or the network.
+            held = parallel.scheduler.held_until_submitted(self.controller.lock) if parallel.manager.store.in_memory \
+                else contextlib.nullcontext()
+            with parallel.scheduler.generating(slot_id), held:
                 yield from super()._generate_with_prepare(tokens, reset, stopping, args, kwargs)
         finally:
             parallel.leases.release(slot_id)

@@ -59,6 +59,32 @@ def at_next_step(callback: Callable[[], None]) -> None:
     callbacks.append(callback)
 
 
+class _Hold:
+    """The locks a thread holds until its next submission is queued (see
+    :meth:`BatchScheduler.held_until_submitted`)."""
+
+    __slots__ = ("locks", "held")
+
+    def __init__(self, locks: tuple[threading.RLock, ...]) -> None:
+        self.locks = locks
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            for lock in reversed(self.locks):
+                lock.release()
+
+
+def release_hold() -> None:
+    """Let go of the calling thread's hold (:meth:`BatchScheduler.held_until_submitted`), if it still has one:
+    before anything that may wait on other code without a submission to release it."""
+    hold = getattr(_next_step, "hold", None)
+    if hold is not None:
+        _next_step.hold = None
+        hold.release()
+
+
 def _run_callbacks(callbacks: list[Callable[[], None]]) -> None:
     for callback in callbacks:
         try:
@@ -128,6 +154,36 @@ class BatchScheduler:
         self._thread.start()
 
     @contextlib.contextmanager
+    def held_until_submitted(self, slot_lock: threading.RLock) -> Iterator[None]:
+        """Hold ``slot_lock``, then the context (no step starts), from now until the calling thread's next
+        submission is queued, or the block ends.
+
+        For a slot changing hands: its prepare (a look at the memory, a state parked and one restored, a cut: each
+        a call on the context) and the submission of its prompt then happen between two steps, and the next step
+        carries the prompt, as in llama.cpp's server, whose loop does the same between two decodes. Without the
+        hold, each call waits for the step in flight, and the step that was waiting for the context starts without
+        the prompt.
+
+        The slot's lock is taken first and kept throughout, so the order is the one every other path takes (a slot
+        file action holds its slot's lock, then calls on the context): the slot's own code, which takes its lock
+        again between the prepare and the submission, then never waits for it while holding the context.
+        """
+        slot_lock.acquire()
+        try:
+            self.context.lock.acquire()
+        except BaseException:
+            slot_lock.release()
+            raise
+        hold = _Hold((slot_lock, self.context.lock))
+        _next_step.hold = hold
+        try:
+            yield
+        finally:
+            if getattr(_next_step, "hold", None) is hold:
+                _next_step.hold = None
+            hold.release()
+
+    @contextlib.contextmanager
     def generating(self, seq_id: int) -> Iterator[None]:
         """Mark ``seq_id`` as generating while the block runs: steps wait briefly for its next token."""
         with self._cond:
@@ -170,6 +226,7 @@ class BatchScheduler:
                 self._comeback[seq_id] = seconds if known is None else 0.7 * known + 0.3 * seconds
             self._pending.append(submission)
             self._cond.notify_all()
+        release_hold()  # queued: the step waiting for the context carries it
         submission.done.wait()
         if submission.error is not None:
             raise submission.error
@@ -202,16 +259,22 @@ class BatchScheduler:
                     self._pending.clear()
                     return
                 self._gather()
-                step = self._take()
-            try:
-                self._decode(step)
-            except BaseException as exc:  # whatever broke, no slot may wait forever on this step
+            # The step is composed once the context is ours: a slot that held it for its prepare has queued its
+            # prompt by then (see held_until_submitted).
+            with self.context.lock:
                 with self._cond:
-                    for submission, _, _ in step:
-                        submission.error = exc
-                        if submission in self._pending:
-                            self._pending.remove(submission)
-                        submission.done.set()
+                    step = self._take()
+                if not step:
+                    continue
+                try:
+                    self._decode(step)
+                except BaseException as exc:  # whatever broke, no slot may wait forever on this step
+                    with self._cond:
+                        for submission, _, _ in step:
+                            submission.error = exc
+                            if submission in self._pending:
+                                self._pending.remove(submission)
+                            submission.done.set()
 
     def _gather(self) -> None:
         """Wait (boundedly) until every generating slot that is between two tokens has submitted its next ones, if

@@ -26,6 +26,7 @@ from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
 from llama_cpp.llama import Llama
 
 from ... import host_compat as host
+from .scheduler import release_hold
 from .sequences import SequenceBackend, SequenceContext
 
 _SAMPLE_SIGNATURE = inspect.signature(Llama.sample)
@@ -144,6 +145,7 @@ class SlotLlama(Llama):
 
     def sample(self, *args: Any, **kwargs: Any) -> int:
         """The host's ``sample``, reading the slot's logits rows (``idx`` counts as in the host)."""
+        release_hold()  # a token is about to go to the host's code: nothing is held across it
         sampler = self._sampler
         if sampler is None or args:
             bound = _SAMPLE_SIGNATURE.bind(self, *args, **kwargs)
