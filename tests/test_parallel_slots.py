@@ -225,8 +225,8 @@ def test_a_callback_registered_while_a_step_decodes_runs_at_once(make_llama: Cal
 def test_a_slot_holding_the_context_for_its_prepare_gets_its_prompt_into_the_next_step(
     make_llama: Callable[..., Any]
 ) -> None:
-    """A slot changing hands holds its slot and the context from before its prepare until its prompt is queued: no step starts
-    meanwhile, and the step that was waiting carries the prompt with what the other slots submitted."""
+    """A slot changing hands holds its slot and the context from before its prepare until its prompt is queued: no
+    step starts meanwhile, and the step that was waiting carries the prompt with what the other slots submitted."""
     parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
     scheduler = parallel.scheduler
     try:
