@@ -24,6 +24,9 @@ class RequestScope:
     :ivar cancelled: Set when the client went away: the generation stops at its next token.
     :ivar deadline: ``time.monotonic()`` after which the generation stops (``None``: no limit).
     :ivar max_new_tokens: Tokens the generation may produce at most (``None``: what the request asks).
+    :ivar completion_tokens: Tokens the request's generations produced, as the host counts them in ``usage`` (the
+        tokens of a stop string included, an end-of-generation token not); ``None`` until a generation runs on an
+        attached model.
     """
 
     namespace: str | None = None
@@ -32,6 +35,7 @@ class RequestScope:
     cancelled: threading.Event = field(default_factory=threading.Event)
     deadline: float | None = None
     max_new_tokens: int | None = None
+    completion_tokens: int | None = None
 
     def should_stop(self, generated: int) -> bool:
         """Whether a generation that produced ``generated`` tokens must stop before the next one."""

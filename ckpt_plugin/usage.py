@@ -106,9 +106,14 @@ class UsageRewriter:
             if self._wants_usage() and not self.usage_sent:
                 chunk = {k: self.last_chunk.get(k) for k in ("id", "object", "created", "model")}
                 prompt = self.request_scope.prompt_tokens
+                # The tokens generated, as the host counts them in a response that is not streamed (a stop string's
+                # tokens are generated although their text is not sent); chunks of text for a model not attached.
+                completion = self.request_scope.completion_tokens
+                if completion is None:
+                    completion = self.completion_chunks
                 chunk.update(choices=[], usage={
-                    "prompt_tokens": prompt, "completion_tokens": self.completion_chunks,
-                    "total_tokens": prompt + self.completion_chunks, "prompt_tokens_details": self._details(),
+                    "prompt_tokens": prompt, "completion_tokens": completion,
+                    "total_tokens": prompt + completion, "prompt_tokens_details": self._details(),
                 })
                 self.usage_sent = True
                 return b"data: " + json.dumps(chunk).encode() + b"\r\n\r\n" + event

@@ -95,6 +95,29 @@ def test_streamed_usage_reports_cached_tokens(tiny_model: Any) -> None:
         assert completion.usage.prompt_tokens_details.cached_tokens >= 0
 
 
+@pytest.mark.parametrize("parallel", ["1", "2"])
+def test_streamed_usage_counts_the_tokens_generated_as_the_response_does(tiny_model: Any, parallel: str) -> None:
+    """A stream's ``usage`` (which ckpt-serve adds) reports the ``completion_tokens`` of the same request not
+    streamed: the tokens generated, those of the stop string that ended it included, not the chunks of text sent."""
+    with run_server(model_args(tiny_model("llama")) + ["--parallel", parallel]) as ours:
+        c = client(ours)
+        prompt = SYSTEM[2]
+        whole = c.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+        stop = whole[len(whole) // 2 : len(whole) // 2 + 2]
+        assert stop.strip(), whole
+        plain = c.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+        assert plain.choices[0].finish_reason == "stop"
+        chunks = texts = 0
+        usage = None
+        for chunk in c.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
+                                          stream=True, stream_options={"include_usage": True}):
+            if chunk.choices and chunk.choices[0].text:
+                chunks += 1
+            usage = chunk.usage or usage
+        assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
+        assert usage.completion_tokens > chunks  # the stop string's tokens were generated, their text not sent
+
+
 def test_tenants_never_hit_each_other(tiny_model: Any) -> None:
     args = model_args(tiny_model("llama")) + ["--checkpoint-namespaces", "api_key"]
     with run_server(args) as ours:

@@ -271,9 +271,14 @@ class _Attachment:
                 return
             # The server's limits and its client's disconnect end the generation at the next token: the host then
             # finishes the response as if max_tokens was reached, and the model is free for the next request.
+            vocab = llama_cpp.llama_model_get_vocab(self.llama.model)
+            if request.completion_tokens is None:
+                request.completion_tokens = 0
             for generated, token in enumerate(self._generate(tokens, *args, **kwargs)):
                 if request.should_stop(generated):
                     return
+                if not llama_cpp.llama_vocab_is_eog(vocab, token):  # the host's usage counts it
+                    request.completion_tokens += 1
                 yield token
         finally:
             generation.finished = True
