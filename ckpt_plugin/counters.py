@@ -38,6 +38,8 @@ class Counters:
     restore_failures: int = 0
     draft_dropped: int = 0
     corrupt_slot_files: int = 0
+    stood_aside: int = 0
+    outside_writes_dropped: int = 0
 
     def __post_init__(self) -> None:
         # An attribute, not a field: fields(), asdict() and == see only the counts.

@@ -33,6 +33,11 @@ class CaptureError(CheckpointError, MemoryError):
     """The slot's state could not be captured (allocation failed or llama.cpp wrote fewer bytes than it said)."""
 
 
+class OpaqueMemoryError(CaptureError):
+    """The slot's memory holds positions that no token id names (image embeddings, a ``llama_decode`` made outside
+    the engine): its state cannot be saved, cached, published or written to a slot file under token ids."""
+
+
 class CorruptFileError(CheckpointError):
     """A slot file is malformed: truncated, corrupted, not a slot file, or of an unsupported format version.
 

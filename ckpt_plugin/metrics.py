@@ -32,6 +32,9 @@ COUNTERS = {
     "bytes_copied": "State bytes copied by llama.cpp get/set calls",
     "disk_hits": "Prompts served from a disk-tier entry",
     "corrupt_files": "Slot and disk-tier files that failed validation (refused; disk-tier ones moved aside)",
+    "stood_aside": "Generations served as the host alone would: the memory held positions written outside the "
+                   "engine (image embeddings, a direct llama_decode) that no token id names",
+    "outside_writes_dropped": "Times positions written outside the engine were dropped before serving a prompt",
 }
 SHARED_COUNTERS = {
     "hits": "Prompts served from a shared-tier entry",

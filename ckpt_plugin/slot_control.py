@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class SlotController(SlotMemory):
         slot = self.slot
         if slot.namespace == namespace:
             return
-        if slot.n_tokens >= self.settings.cache_min_tokens:
+        if slot.n_tokens >= self.settings.cache_min_tokens and not self.opaque:
             self.save_to_cache()
         self.clear_slot()
         slot.namespace = namespace
@@ -82,6 +82,8 @@ class SlotController(SlotMemory):
         prompt = np.asarray(prompt, dtype=np.int32)
         slot = self.slot
         self.reconcile()
+        # A prompt is served from what token ids name: positions written from outside are dropped first.
+        self.discard_opaque()
         self.enter_namespace(self.current_namespace())
         self.counters.add(prompts=1)
         just_loaded = self._loaded_from_cache == slot.version
@@ -201,7 +203,10 @@ class SlotController(SlotMemory):
             no checkpoints. Defaults to the end of ``tokens``.
         """
         tokens = np.asarray(tokens, dtype=np.int32)
+        if len(tokens) and int(tokens.min()) < 0:
+            raise ValueError("negative token ids stand for media positions, which only their media chunk evaluates")
         slot = self.slot
+        self.discard_opaque()
         start = slot.n_tokens
         end = start + len(tokens)
         if prompt_end is None:
@@ -216,22 +221,45 @@ class SlotController(SlotMemory):
             chunk = tokens[a - start : b - start]
             decoding = time.perf_counter()
             self.backend.decode(chunk)
-            self._decoded(a, b, time.perf_counter() - decoding)
-            rewritten_from = slot._append(chunk)
-            if rewritten_from is not None:
-                self._invalidate_after(rewritten_from)
-            self.counters.add(tokens_evaluated=len(chunk))
-            # The last full capture describes the old memory: do not keep its bytes alive for nothing.
-            self._full_capture = None
-            if b == branch and b < end and b < slot.n_lineage and slot.lineage[b] != tokens[b - start]:
-                # The prompt leaves the lineage here: its checkpoints past this point go now rather than with the
-                # next chunk, so that the branch checkpoint is the newest.
-                self._invalidate_after(b)
-            if a < prompt_end:
-                self.hooks.call(self.hooks.hook.on_prompt_processed, slot=slot, start=a, end=b, prompt_end=prompt_end)
+            self._evaluated(chunk, time.perf_counter() - decoding, prompt_end,
+                            next_token=(b, int(tokens[b - start])) if b == branch and b < end else None)
         if start < branch <= end:
             self.branch_point = 0  # one prompt's, spent by the evaluation that passed it
         self.pin_slot()
+
+    def process_media(self, ids: np.ndarray, decode: Callable[[], None], prompt_end: int) -> None:
+        """Evaluate one media chunk after the slot's end: ``decode`` fills its positions (llama.cpp's multimodal
+        helper), and the slot records them under ``ids`` (:func:`~ckpt_plugin.media.media_token_ids`), so that the
+        chunk is matched, cached and restored like tokens."""
+        self.discard_opaque()
+        decoding = time.perf_counter()
+        decode()
+        self._evaluated(np.asarray(ids, dtype=np.int32), time.perf_counter() - decoding, prompt_end)
+        self.pin_slot()
+
+    def _evaluated(self, chunk: np.ndarray, seconds: float, prompt_end: int,
+                   next_token: tuple[int, int] | None = None) -> None:
+        """``chunk`` was just decoded after the slot's end in ``seconds``: the slot's record, counters and hooks.
+
+        :param next_token: ``(position, token)`` of the prompt's next token where it may leave the lineage (the
+            branch point).
+        """
+        slot = self.slot
+        a = slot.n_tokens
+        b = a + len(chunk)
+        self._decoded(a, b, seconds)
+        rewritten_from = slot._append(chunk)
+        if rewritten_from is not None:
+            self._invalidate_after(rewritten_from)
+        self.counters.add(tokens_evaluated=len(chunk))
+        # The last full capture describes the old memory: do not keep its bytes alive for nothing.
+        self._full_capture = None
+        if next_token is not None and next_token[0] < slot.n_lineage and slot.lineage[next_token[0]] != next_token[1]:
+            # The prompt leaves the lineage here: its checkpoints past this point go now rather than with the
+            # next chunk, so that the branch checkpoint is the newest.
+            self._invalidate_after(next_token[0])
+        if a < prompt_end:
+            self.hooks.call(self.hooks.hook.on_prompt_processed, slot=slot, start=a, end=b, prompt_end=prompt_end)
 
     def _decoded(self, start: int, end: int, seconds: float) -> None:
         """Tokens ``start:end`` were decoded in ``seconds``: an evaluation rate, and part of the prompt's plan."""

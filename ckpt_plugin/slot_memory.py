@@ -19,7 +19,7 @@ from .cache import CacheEntry
 from .checkpoint import Checkpoint
 from .config import CheckpointSettings
 from .costs import RAM, PlanClock
-from .errors import CaptureError, StateRestoreError
+from .errors import CaptureError, OpaqueMemoryError, StateRestoreError
 from .eviction import checkpoints_to_erase, slot_checkpoint_limit
 from .policy import MemoryKind
 from .schedule import CheckpointRules
@@ -71,6 +71,8 @@ class SlotMemory:
         self._full_capture: tuple[int, Checkpoint] | None = None
         self.branch_point = 0
         self._loaded_from_cache = -1
+        # Whether the memory holds positions past ``slot.n_tokens`` that no token id names (written from outside).
+        self.opaque = False
         # The engine's measured rates (one model in the engine's rules); the setting says whether they decide.
         self.costs = rules.costs
         self.costs.enabled = settings.plan_by_cost
@@ -142,6 +144,7 @@ class SlotMemory:
     def clear_slot(self) -> None:
         """Empty the memory and the slot (tokens, checkpoints, the cached full capture)."""
         self.backend.clear()
+        self.opaque = False
         self._drop_slot_state("cleared")
 
     def _drop_slot_state(self, reason: str) -> None:
@@ -157,8 +160,13 @@ class SlotMemory:
         """Capture the slot's full state with its checkpoints, as an entry (not inserted in the cache).
 
         The capture is reused while the memory does not change, so saving twice copies nothing the second time.
+
+        :raises OpaqueMemoryError: The memory holds positions no token id names (see :meth:`reconcile`).
         """
         slot = self.slot
+        if self.opaque:
+            raise OpaqueMemoryError("the memory holds positions written outside the engine (embeddings or a direct "
+                                    "decode) that no token id names")
         if self._full_capture is not None and self._full_capture[0] == slot.version:
             state = self._full_capture[1]
         else:
@@ -178,6 +186,7 @@ class SlotMemory:
         self.captures.check_fingerprint(entry.fingerprint)
         started = time.perf_counter()
         self._restore(entry.state)
+        self.opaque = False
         self._adopt(entry.tokens, entry.checkpoints, len(entry.tokens))
         self._full_capture = (self.slot.version, entry.state)
         self.pin_slot()
@@ -199,23 +208,36 @@ class SlotMemory:
         return entry if self.store.admit(entry) else None
 
     def reconcile(self) -> None:
-        """Bring the slot in line with the memory if something outside the manager changed it."""
+        """Bring the slot in line with the memory if something outside the manager changed it.
+
+        The slot keeps only the tokens the memory still holds that nothing wrote over since (the backend reports the
+        first position written from outside, where it can see such writes). Positions the memory holds past those
+        are of unknown content: kept (the host that wrote them may be about to use them) and marked :attr:`opaque`,
+        never matched as tokens, saved or published until the memory is cut back to what the slot names.
+        """
         slot = self.slot
         held = int(self.backend.pos_max()) + 1
-        if held == slot.n_tokens:
-            return
-        if held < slot.n_tokens:
-            slot._truncate(held)
-        else:
-            # Tokens we never saw: their identity is unknown, so the memory cannot be reused safely.
-            self.backend.clear()
-            slot._truncate(0)
+        known = min(slot.n_tokens, held)
+        take_outside_write = getattr(self.backend, "take_outside_write", None)
+        if take_outside_write is not None:
+            known = min(known, take_outside_write())
+        if known < slot.n_tokens:
+            slot._truncate(known)
+            self._full_capture = None
+        self.opaque = held > known
+
+    def discard_opaque(self) -> None:
+        """Cut the memory back to the tokens the slot names (drop positions written from outside)."""
+        if self.opaque:
+            self.counters.add(outside_writes_dropped=1)
+            self._cut(self.slot.n_tokens)
 
     def adopt_memory(self, tokens: np.ndarray) -> None:
         """The memory was loaded outside the manager and holds ``tokens``: forget the old lineage."""
         old = self.slot.checkpoints
         self.slot.checkpoints = []
         self.slot._set(np.asarray(tokens, dtype=np.int32))
+        self.opaque = False
         self._full_capture = None
         self.pin_slot()
         for checkpoint in old:
@@ -243,6 +265,7 @@ class SlotMemory:
     def _cut(self, n_keep: int) -> None:
         """Truncate the memory to ``n_keep`` tokens."""
         self._full_capture = None
+        self.opaque = False
         if n_keep == 0:
             self.backend.clear()
         elif not self.backend.truncate(n_keep):

@@ -36,7 +36,9 @@ from ...request import current_request
 from ...slot_control import SlotController
 from .backend import HostRows, LlamaBackend
 from .context import _version_tuple
-from .host_cache import HostPromptCache, SharedLlamaState, _tiers_for_host_cache
+from .host_cache import HostPromptCache, SharedLlamaState, _tiers_for_host_cache, host_only_known, mark_host_only
+from .multimodal import MediaFlow, install_relay, remove_relay
+from .outside_writes import same_handle
 
 TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
 """llama-cpp-python versions attach accepts: from the first (inclusive) to the second (exclusive)."""
@@ -84,6 +86,13 @@ class _Attachment:
         completion = getattr(type(llama), host.COMPLETION_METHOD)
         self._create_completion = completion.__get__(llama)
         self._completion_signature = inspect.signature(completion)
+        # Generations started so far, and how many had started when the memory was first seen holding positions
+        # written from outside (``None``: it holds none). Such positions serve only the generation that follows
+        # them directly (the host code that wrote them is about to complete them); a later one drops them.
+        self.generations = 0
+        self.opaque_since: int | None = None
+        self.media = MediaFlow(backend.watched, llama, self._prepare_media, lambda: controller.slot.n_tokens,
+                               controller.process, controller.process_media)
 
     @property
     def prompt_end(self) -> int | None:
@@ -107,6 +116,7 @@ class _Attachment:
         self.backend.take_over_scores()
         if llama.cache is not None:
             self.set_cache(llama.cache)
+        install_relay(getattr(llama, "chat_handler", None), self)
         setattr(llama, _MANAGER_ATTR, self)
 
     def uninstall(self) -> None:
@@ -116,7 +126,45 @@ class _Attachment:
         llama.__dict__.update(self.saved)
         llama.cache = self.saved_cache
         llama.__dict__.pop(_MANAGER_ATTR, None)
+        remove_relay(getattr(llama, "chat_handler", None))
+        self.media.disarm()
         self.backend.release()
+
+    # -- outside writes and media ------------------------------------------------------------------------------------
+
+    def owns_context(self, lctx: Any) -> bool:
+        return same_handle(lctx, self.llama.ctx)
+
+    def serve_media(self, n_positions: int, decode: Callable[[int], int]) -> int | None:
+        with self.controller.lock:
+            self._reconcile()
+            return self.media.eval_media(n_positions, decode)
+
+    def _prepare_media(self, prompt: np.ndarray, max_keep: int | None) -> int:
+        n_keep = self.controller.prepare(prompt, max_keep=max_keep)
+        self._sync_host(n_keep, prompt)
+        return n_keep
+
+    def _reconcile(self) -> None:
+        """The controller's reconcile, noting when the memory started holding positions written from outside."""
+        controller = self.controller
+        controller.reconcile()
+        if not controller.opaque:
+            self.opaque_since = None
+        elif self.opaque_since is None:
+            self.opaque_since = self.generations
+
+    def _stands_aside(self) -> bool:
+        """Whether the generation starting now is served as the host alone would: the memory holds positions
+        written from outside since the last generation, by this tenant (see ``opaque_since``)."""
+        controller = self.controller
+        if not controller.opaque:
+            return False
+        if self.opaque_since == self.generations and controller.slot.namespace == controller.current_namespace():
+            return True
+        controller.discard_opaque()
+        self.opaque_since = None
+        return False
 
     def _sync_host(self, n_keep: int, tokens: np.ndarray) -> None:
         host.set_evaluated_prefix(self.llama, tokens, n_keep)
@@ -130,9 +178,18 @@ class _Attachment:
     def _eval(self, tokens: Sequence[int]) -> None:
         llama, controller = self.llama, self.controller
         new = np.asarray(tokens, dtype=np.int32).reshape(-1)
-        controller.reconcile()
+        self._reconcile()
+        if self.media.armed and self.media.eval_text(new):
+            return
         n_host = llama.n_tokens
         slot = controller.slot
+        if controller.opaque:
+            if n_host > slot.n_tokens:
+                # Host code evaluates after positions it wrote itself: as the host alone, nothing recorded.
+                self.backend.decode(new)
+                controller.counters.add(tokens_evaluated=len(new))
+                return
+            controller.discard_opaque()
         if n_host != slot.n_tokens or (len(new) > 1 and not np.array_equal(llama.input_ids[:n_host], slot.tokens)):
             wanted = np.concatenate((llama.input_ids[:n_host].astype(np.int32), new))
             n_keep = controller.prepare(wanted)
@@ -261,9 +318,19 @@ class _Attachment:
             needs = generation_needs(generation.prompt_end, logprobs=logprobs, echo=echo, stopping_criteria=stopping,
                                      draft=self.llama.draft_model is not None)
             limit = self.backend.begin_generation(needs, prompt if reset else prompt[:0])
-            if reset and tokens:
+            self._reconcile()
+            media_done = reset and self.media.completed(prompt)
+            self.media.disarm()
+            if self._stands_aside():
+                self.controller.counters.add(stood_aside=1)
+            elif media_done and self.controller.slot.n_tokens == len(prompt) - 1 and (limit is None or
+                                                                                      limit >= len(prompt) - 1):
+                # The handler's chunks were served from the memory and the stores already, all but the last token.
+                self._sync_host(len(prompt) - 1, prompt)
+            elif reset and tokens:
                 n_keep = self.controller.prepare(prompt, max_keep=limit)
                 self._sync_host(n_keep, prompt)
+            self.generations += 1
         request = current_request.get()
         try:
             if request is None:
@@ -286,9 +353,13 @@ class _Attachment:
                 self.backend.end_generation()
                 self.controller.busy = False
 
-    def save_state(self) -> SharedLlamaState:
+    def save_state(self) -> LlamaState:
         with self.controller.lock:
-            self.controller.reconcile()
+            self._reconcile()
+            if self.controller.opaque:
+                # Positions no token id names: the host's own copy of the whole state, kept out of every store.
+                state = type(self.llama).save_state(self.llama)
+                return mark_host_only(state, self.controller.slot.n_tokens)
             return SharedLlamaState(self.controller.save(), host.seed(self.llama))
 
     def load_state(self, state: LlamaState) -> None:
@@ -299,7 +370,10 @@ class _Attachment:
                 host.set_seed(self.llama, state.seed)
                 return
             self.backend.load_host_state(self._load_state, state)
-            self.controller.adopt_memory(np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32))
+            tokens = np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32)
+            known = host_only_known(state)
+            self.controller.adopt_memory(tokens if known is None else tokens[:known])
+            self._reconcile()
 
     def set_cache(self, cache: BaseLlamaCache | None) -> None:
         if cache is None or isinstance(cache, HostPromptCache):

@@ -13,6 +13,7 @@ from ... import host_compat as host
 from ...logits import EVERY_ROW, NO_ROWS, LogitsNeeds, max_keep
 from ...policy import common_prefix
 from .context import _flags, _u8_p, _writable_start, fingerprint, memory_kind
+from .outside_writes import OUTSIDE_WRITES, engine_writes
 
 
 class HostRows:
@@ -156,6 +157,24 @@ class LlamaBackend(HostRows):
         self.n_ctx = int(llama.n_ctx())
         self._memory = llama_cpp.llama_get_memory(llama.ctx)
         self._use_host(llama)
+        self.watched = OUTSIDE_WRITES.watch(llama.ctx, self._memory, 0)
+
+    def take_outside_write(self) -> int:
+        """The first position written to the memory from outside the engine since the last call (a huge number
+        if none), see :mod:`.outside_writes`."""
+        return self.watched.take()
+
+    def release(self) -> None:
+        OUTSIDE_WRITES.unwatch(self.watched)
+        super().release()
+
+    def decode(self, tokens: np.ndarray) -> None:
+        with engine_writes():
+            super().decode(tokens)
+
+    def load_host_state(self, load: Callable[[LlamaState], None], state: LlamaState) -> None:
+        with engine_writes():
+            super().load_host_state(load, state)
 
     @property
     def _ctx(self) -> Any:
@@ -171,11 +190,12 @@ class LlamaBackend(HostRows):
 
     def write_state(self, buffer: np.ndarray, partial: bool) -> int:
         # The read-only buffer is handed over by address: llama.cpp only reads it.
-        return int(
-            llama_cpp.llama_state_seq_set_data_ext(
-                self._ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, 0, _flags(partial)
+        with engine_writes():
+            return int(
+                llama_cpp.llama_state_seq_set_data_ext(
+                    self._ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, 0, _flags(partial)
+                )
             )
-        )
 
     def pos_min(self) -> int:
         return int(llama_cpp.llama_memory_seq_pos_min(self._memory, 0))
@@ -184,10 +204,12 @@ class LlamaBackend(HostRows):
         return int(llama_cpp.llama_memory_seq_pos_max(self._memory, 0))
 
     def truncate(self, n_keep: int) -> bool:
-        return bool(llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1))
+        with engine_writes():
+            return bool(llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1))
 
     def clear(self) -> None:
-        llama_cpp.llama_memory_seq_rm(self._memory, 0, -1, -1)
+        with engine_writes():
+            llama_cpp.llama_memory_seq_rm(self._memory, 0, -1, -1)
 
     def _forget_after(self, n_past: int) -> None:
         ctx, _ = host.decode_handles(self.llama)

@@ -44,6 +44,22 @@ class SharedLlamaState(LlamaState):
         )
 
 
+_HOST_ONLY = "_ckpt_plugin_known_tokens"
+
+
+def mark_host_only(state: LlamaState, known: int) -> LlamaState:
+    """Mark a state the host saved itself while its memory held positions no token id names, of which the first
+    ``known`` tokens are named: the cache keeps it out, ``load_state`` restores it as the host would."""
+    setattr(state, _HOST_ONLY, known)
+    return state
+
+
+def host_only_known(state: LlamaState) -> int | None:
+    """For a state marked by :func:`mark_host_only`, the tokens it names; ``None`` for any other state."""
+    known = getattr(state, _HOST_ONLY, None)
+    return None if known is None else int(known)
+
+
 class HostPromptCache(BaseLlamaCache):
     """``BaseLlamaCache`` interface over a manager's prompt cache, installed by the patched ``set_cache``."""
 
@@ -77,6 +93,8 @@ class HostPromptCache(BaseLlamaCache):
         return self._best(key) is not None
 
     def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
+        if host_only_known(value) is not None:
+            return  # its key names positions the memory does not hold as those tokens: never cached
         if not isinstance(value, SharedLlamaState):
             raise TypeError("only states from an attached Llama's save_state() can be cached here")
         with self.manager.lock:

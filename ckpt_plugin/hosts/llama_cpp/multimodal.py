@@ -1,0 +1,299 @@
+"""llama-cpp-python's multimodal chat handlers (the MTMD family: llava-1-5, llava-1-6, minicpm-v-2.6, moondream,
+nanollava, llama-3-vision-alpha, mtmd, gemma4, ...) on an attached ``Llama``: images keyed by content, and reused.
+
+Each such handler, for every request: tokenizes the prompt into text and media chunks (``mtmd_tokenize``), calls
+``llama.reset()`` and clears the memory, evaluates each text chunk with ``llama.eval`` and each media chunk with
+``mtmd_helper_eval_chunk_single`` (embeddings decoded straight into the context), sets ``llama.n_tokens`` past them
+without writing ``input_ids`` there, then completes ``input_ids[:n_tokens]``.
+
+:class:`MtmdRelay` stands in for the handler's ``mtmd_cpp`` module (an attribute of the handler instance; the
+module itself is untouched) and changes three of its calls:
+
+- ``mtmd_helper_bitmap_init_from_buf``: the bitmap gets an id, a digest of its decoded pixels (or samples) and of the
+  projector file, as llama.cpp's server does (:func:`ckpt_plugin.media.media_digest`);
+- ``mtmd_tokenize``: the chunks become one prompt of token ids in which each media chunk's positions are ids derived
+  from its digest (:func:`ckpt_plugin.media.media_token_ids`), and the engine is told the request ahead
+  (:meth:`MediaFlow.arm`): the clear that follows does nothing, and the handler's evaluations are served from the
+  longest prefix of that prompt the memory, a checkpoint or the cache holds;
+- ``mtmd_helper_eval_chunk_single``: a media chunk the memory already holds at that place is not decoded again; one
+  that is decoded is recorded under its ids, so that checkpoints, cache entries, slot files and the shared tier
+  carry it like any tokens.
+
+Prompts this cannot represent exactly are left to the host (the relay passes every call through): positions that
+are not one per token (M-RoPE models such as Qwen2-VL), chunks without an id, a prompt that ends with a media chunk.
+The engine then sees positions it did not evaluate, keeps them out of every store, and stands aside for the request
+(:mod:`.outside_writes`, ``SlotMemory.reconcile``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import threading
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from ...media import media_digest, media_start, media_token_ids
+from .outside_writes import Watched, engine_writes
+
+log = logging.getLogger("ckpt_plugin")
+
+_PROJECTOR_DIGESTS: dict[tuple[str, int, int], str] = {}
+_DIGEST_LOCK = threading.Lock()
+
+
+def projector_digest(path: str) -> str:
+    """SHA-256 of the projector file (computed once per path, size and modification time)."""
+    stat = os.stat(path)
+    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    with _DIGEST_LOCK:
+        known = _PROJECTOR_DIGESTS.get(key)
+    if known is not None:
+        return known
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    value = digest.hexdigest()
+    with _DIGEST_LOCK:
+        _PROJECTOR_DIGESTS[key] = value
+    return value
+
+
+class MediaHost(Protocol):
+    """What the relay needs of the attachment it serves."""
+
+    media: MediaFlow
+
+    def owns_context(self, lctx: Any) -> bool:
+        """Whether ``lctx`` is the attached ``Llama``'s own context."""
+
+
+class MediaFlow:
+    """One multimodal request of the handler, as the engine serves it: its prompt in token ids (media positions
+    negative), how far the handler has got, and where the memory stood when the request was prepared.
+
+    The attachment calls :meth:`eval_text` from its ``eval`` and the relay :meth:`eval_media`, both under the
+    slot's lock; ``prepare`` is the engine's (keeps the longest stored prefix of a prompt and returns its length),
+    ``process`` evaluates tokens after the memory's end, ``process_media`` records a media chunk decoded by
+    ``decode``, ``sync_host`` writes the host's ``input_ids`` / ``n_tokens``.
+    """
+
+    def __init__(self, watched: Watched, llama: Any, prepare: Callable[[np.ndarray, int | None], int],
+                 memory_end: Callable[[], int], process: Callable[[np.ndarray, int], None],
+                 process_media: Callable[[np.ndarray, Callable[[], None], int], None]) -> None:
+        self._watched = watched
+        self._llama = llama
+        self._prepare = prepare
+        self._memory_end = memory_end
+        self._process = process
+        self._process_media = process_media
+        self.tokens: np.ndarray | None = None
+        self.cursor = 0
+        self.kept: int | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self.tokens is not None
+
+    def arm(self, tokens: np.ndarray) -> None:
+        """The handler is about to evaluate ``tokens`` (after its reset and memory clear, which is skipped)."""
+        self.tokens, self.cursor, self.kept = tokens, 0, None
+        self._watched.skip_next_clear()
+
+    def disarm(self) -> None:
+        self.tokens, self.cursor, self.kept = None, 0, None
+        self._watched.cancel_skip()
+
+    def completed(self, prompt: np.ndarray) -> bool:
+        """Whether ``prompt`` is this request's prompt, every chunk of it handed to the engine."""
+        tokens = self.tokens
+        return tokens is not None and self.cursor == len(tokens) and np.array_equal(prompt, tokens)
+
+    def _prepared(self) -> None:
+        tokens = self.tokens
+        assert tokens is not None
+        if self.kept is not None:
+            return
+        # The last token is left to the completion that follows (fresh logits, as for any prompt).
+        n_keep = self._prepare(tokens, len(tokens) - 1)
+        start = media_start(tokens, n_keep)
+        if start != n_keep:
+            n_keep = self._prepare(tokens, start)
+        self.kept = n_keep
+
+    def eval_text(self, tokens: np.ndarray) -> bool:
+        """Serve the handler's ``llama.eval(tokens)`` for a text chunk; ``False``: not this request's next chunk (the
+        flow is dropped and the caller serves the call as any other)."""
+        flow = self.tokens
+        end = self.cursor + len(tokens)
+        if flow is None or end > len(flow) or not np.array_equal(flow[self.cursor : end], tokens):
+            if flow is not None:
+                self.disarm()
+            return False
+        self._prepared()
+        target = min(end, len(flow) - 1)
+        memory_end = self._memory_end()
+        if target > memory_end:
+            self._llama.n_tokens = memory_end
+            self._process(flow[memory_end:target], len(flow))
+        self._set_host(end)
+        return True
+
+    def eval_media(self, n_positions: int, decode: Callable[[int], int]) -> int | None:
+        """Serve the handler's media chunk of ``n_positions`` at the current position: ``decode(n_past)`` decodes
+        it there and returns the position after it. Returns that position, or ``None`` when the chunk is not this
+        request's next one (the caller then decodes it as the host would)."""
+        flow = self.tokens
+        start, end = self.cursor, self.cursor + n_positions
+        if flow is None or end > len(flow) or not bool((flow[start:end] < 0).all()):
+            if flow is not None:
+                self.disarm()
+            return None
+        self._prepared()
+        if end > self._memory_end():
+            # The cut before the request never falls inside a media chunk: the memory ends at this one's start.
+            ids = flow[start:end]
+
+            def fill() -> None:
+                with engine_writes():
+                    n_past = decode(start)
+                if n_past != end:
+                    raise ValueError(f"the media chunk filled positions {start}..{n_past}, not {start}..{end}")
+
+            self._process_media(ids, fill, len(flow))
+        self._set_host(end)
+        return end
+
+    def _set_host(self, end: int) -> None:
+        flow = self.tokens
+        assert flow is not None
+        llama = self._llama
+        llama.input_ids[self.cursor : end] = flow[self.cursor : end]
+        llama.n_tokens = end
+        self.cursor = end
+
+
+def media_prompt(mtmd: Any, mtmd_ctx: Any, chunks: Any) -> np.ndarray | None:
+    """The prompt of ``chunks`` in token ids, media chunks as their ids (``None`` where that is not exact)."""
+    if mtmd.mtmd_decode_use_mrope(mtmd_ctx):
+        return None
+    parts: list[np.ndarray] = []
+    last_is_text = False
+    for index in range(int(mtmd.mtmd_input_chunks_size(chunks))):
+        chunk = mtmd.mtmd_input_chunks_get(chunks, index)
+        if chunk is None:
+            return None
+        kind = mtmd.mtmd_input_chunk_get_type(chunk)
+        if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            count = ctypes.c_size_t()
+            pointer = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+            n = int(count.value)
+            if n:
+                parts.append(np.ctypeslib.as_array(pointer, shape=(n,)).astype(np.int32))
+                last_is_text = True
+            continue
+        n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+        chunk_id = mtmd.mtmd_input_chunk_get_id(chunk)
+        if not chunk_id or int(mtmd.mtmd_input_chunk_get_n_pos(chunk)) != n_tokens:
+            return None
+        parts.append(media_token_ids(chunk_id.decode("ascii", "replace"), n_tokens))
+        last_is_text = False
+    if not parts or not last_is_text:
+        return None
+    return np.concatenate(parts)
+
+
+class MtmdRelay:
+    """The handler's ``mtmd_cpp`` module with three calls changed (see the module docstring); every other attribute
+    is the module's own."""
+
+    def __init__(self, module: Any, host: MediaHost, projector_path: str) -> None:
+        self._module = module
+        self._host = host
+        self._projector_path = projector_path
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def mtmd_helper_bitmap_init_from_buf(self, mtmd_ctx: Any, buffer: Any, size: int, *rest: Any) -> Any:
+        mtmd = self._module
+        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(mtmd_ctx, buffer, size, *rest)
+        if bitmap:
+            n_bytes = int(mtmd.mtmd_bitmap_get_n_bytes(bitmap))
+            data = mtmd.mtmd_bitmap_get_data(bitmap)
+            content = ctypes.string_at(data, n_bytes) if data and n_bytes else b""
+            kind = "audio" if mtmd.mtmd_bitmap_is_audio(bitmap) else "image"
+            key = media_digest(kind, projector_digest(self._projector_path), int(mtmd.mtmd_bitmap_get_nx(bitmap)),
+                               int(mtmd.mtmd_bitmap_get_ny(bitmap)), content)
+            mtmd.mtmd_bitmap_set_id(bitmap, key.encode("ascii"))
+        return bitmap
+
+    def mtmd_tokenize(self, mtmd_ctx: Any, chunks: Any, *rest: Any) -> int:
+        result = int(self._module.mtmd_tokenize(mtmd_ctx, chunks, *rest))
+        flow = self._host.media
+        if result != 0:
+            flow.disarm()
+            return result
+        tokens = media_prompt(self._module, mtmd_ctx, chunks)
+        if tokens is None:
+            log.info("multimodal prompt left to the host: its media positions cannot be keyed one per token")
+            flow.disarm()
+        else:
+            flow.arm(tokens)
+        return result
+
+    def mtmd_helper_eval_chunk_single(self, mtmd_ctx: Any, lctx: Any, chunk: Any, n_past: Any, seq_id: Any,
+                                      n_batch: int, logits_last: bool, new_n_past: Any) -> int:
+        mtmd = self._module
+        if not self._host.owns_context(lctx):
+            raise ValueError("this multimodal handler's context is not the attached model's: parallel slots do not "
+                             "serve images or audio yet")
+        status = [0]
+
+        def decode(start: int) -> int:
+            out = ctypes.c_int32(0)
+            status[0] = int(mtmd.mtmd_helper_eval_chunk_single(mtmd_ctx, lctx, chunk, start, seq_id, n_batch,
+                                                               logits_last, ctypes.byref(out)))
+            if status[0] != 0:
+                raise ValueError(f"Failed to evaluate chunk: error code {status[0]}")
+            return int(out.value)
+
+        end = self._host.serve_media(int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)), decode)
+        if end is None:
+            return int(mtmd.mtmd_helper_eval_chunk_single(mtmd_ctx, lctx, chunk, n_past, seq_id, n_batch,
+                                                          logits_last, new_n_past))
+        _set_out(new_n_past, end)
+        return 0
+
+
+def _set_out(reference: Any, value: int) -> None:
+    """Write ``value`` where a ``ctypes.byref(c_int32)`` argument points."""
+    target = getattr(reference, "_obj", None)
+    if target is not None:
+        target.value = value
+    else:
+        ctypes.cast(reference, ctypes.POINTER(ctypes.c_int32))[0] = value
+
+
+def install_relay(handler: Any, host: MediaHost) -> MtmdRelay | None:
+    """Give a multimodal chat ``handler`` a relay to ``host`` (``None``: not an MTMD handler, left as it is)."""
+    module = getattr(handler, "_mtmd_cpp", None)
+    projector = getattr(handler, "clip_model_path", None)
+    if module is None or not isinstance(projector, str):
+        return None
+    if isinstance(module, MtmdRelay):
+        module = module._module
+    relay = MtmdRelay(module, host, projector)
+    handler._mtmd_cpp = relay
+    return relay
+
+
+def remove_relay(handler: Any) -> None:
+    """Undo :func:`install_relay`."""
+    module = getattr(handler, "_mtmd_cpp", None)
+    if isinstance(module, MtmdRelay):
+        handler._mtmd_cpp = module._module

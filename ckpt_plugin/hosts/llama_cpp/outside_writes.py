@@ -1,0 +1,267 @@
+"""Writes to an attached context's memory that do not go through the engine, noticed as they happen.
+
+The engine names what the memory holds by token ids. Host code can change the memory without it: a multimodal chat
+handler decodes image embeddings with ``mtmd_helper_eval_chunk_single``, clears the memory with
+``Llama._ctx.kv_cache_clear()``, a guidance-style library calls ``llama_decode`` itself, code restores a raw state.
+Most of these show as a memory shorter or longer than the engine's record, but not all: a memory cleared and then
+filled again to the same length (an image spanning exactly the positions of the previous request) looks unchanged,
+and the engine would label the image's state with the previous request's token ids.
+
+:class:`OutsideWrites` wraps llama.cpp's writing functions in the ``llama_cpp`` namespaces that Python code calls
+them through (``llama_cpp.llama_decode`` and ``llama_cpp.llama_cpp.llama_decode``, which ``Llama`` and its context
+wrapper use). A call on the context or memory of an attached ``Llama`` that the engine did not make itself records
+the first position it may have changed; the engine reads that record (:meth:`Watched.take`) before it trusts the
+memory again. Calls on any other context pass straight through, at the cost of one dictionary lookup. The engine's
+own calls are made inside :func:`engine_writes`.
+
+What Python cannot see: a C library calling ``llama_decode`` itself (libmtmd's helpers do). Such a write still makes
+the memory longer than the engine's record, which the engine notices by itself; the multimodal handlers' memory
+clears, which would hide it, go through ``llama_cpp`` and are seen here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import llama_cpp
+import llama_cpp.llama_cpp as llama_cpp_module
+
+NOTHING_CHANGED = 1 << 62
+"""What :meth:`Watched.take` returns when no outside write touched the sequence."""
+
+_engine = threading.local()
+
+
+@contextmanager
+def engine_writes() -> Iterator[None]:
+    """Mark the calls made inside as the engine's own (not outside writes)."""
+    depth = getattr(_engine, "depth", 0)
+    _engine.depth = depth + 1
+    try:
+        yield
+    finally:
+        _engine.depth = depth
+
+
+def _address(handle: Any) -> int | None:
+    if handle is None or isinstance(handle, int):
+        return handle
+    if isinstance(handle, ctypes.c_void_p):
+        return handle.value
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return None
+
+
+def same_handle(a: Any, b: Any) -> bool:
+    """Whether two llama.cpp handles (ints, ``c_void_p`` or other ctypes pointers) point to the same object."""
+    address = _address(a)
+    return address is not None and address == _address(b)
+
+
+class Watched:
+    """One sequence of one context: the first position an outside write may have changed since the last look."""
+
+    def __init__(self, seq_id: int) -> None:
+        self.seq_id = seq_id
+        self._from = NOTHING_CHANGED
+        self._suppress_clears = 0
+        self._lock = threading.Lock()
+
+    def wrote(self, position: int) -> None:
+        with self._lock:
+            self._from = min(self._from, max(0, position))
+
+    def take(self) -> int:
+        """The first position written from outside since the last call (:data:`NOTHING_CHANGED` if none)."""
+        with self._lock:
+            position, self._from = self._from, NOTHING_CHANGED
+        return position
+
+    def skip_next_clear(self) -> None:
+        """Let the next full clear of the memory from outside do nothing: the engine serves what follows it as a
+        new prompt (used for the clear a multimodal handler makes before every request)."""
+        with self._lock:
+            self._suppress_clears = 1
+
+    def cancel_skip(self) -> None:
+        with self._lock:
+            self._suppress_clears = 0
+
+    def _take_clear_skip(self) -> bool:
+        with self._lock:
+            skip, self._suppress_clears = self._suppress_clears > 0, 0
+        return skip
+
+    def touches(self, seq_id: int) -> bool:
+        return seq_id < 0 or seq_id == self.seq_id
+
+
+class OutsideWrites:
+    """The registry of watched contexts and the wrappers around llama.cpp's writing functions (installed once)."""
+
+    def __init__(self) -> None:
+        self._by_ctx: dict[int, Watched] = {}
+        self._by_memory: dict[int, Watched] = {}
+        self._installed = False
+        self._lock = threading.Lock()
+
+    def watch(self, ctx: Any, memory: Any, seq_id: int = 0) -> Watched:
+        """Start watching sequence ``seq_id`` of ``ctx`` (whose memory is ``memory``)."""
+        watched = Watched(seq_id)
+        with self._lock:
+            self._install()
+            ctx_address, memory_address = _address(ctx), _address(memory)
+            if ctx_address is not None:
+                self._by_ctx[ctx_address] = watched
+            if memory_address is not None:
+                self._by_memory[memory_address] = watched
+        return watched
+
+    def unwatch(self, watched: Watched) -> None:
+        with self._lock:
+            for table in (self._by_ctx, self._by_memory):
+                for key in [key for key, value in table.items() if value is watched]:
+                    del table[key]
+
+    def _watched(self, table: dict[int, Watched], handle: Any) -> Watched | None:
+        if not table or getattr(_engine, "depth", 0):
+            return None
+        return table.get(_address(handle))  # type: ignore[arg-type]
+
+    def _install(self) -> None:
+        if self._installed:
+            return
+        self._installed = True
+        wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+            "llama_decode": self._batch_write,
+            "llama_encode": self._batch_write,
+            "llama_memory_clear": self._clear,
+            "llama_memory_seq_rm": self._seq_write(1, 2),
+            "llama_memory_seq_cp": self._seq_write(2, 3),
+            "llama_memory_seq_keep": self._keep,
+            "llama_memory_seq_add": self._seq_write(1, 2),
+            "llama_memory_seq_div": self._seq_write(1, 2),
+            "llama_state_set_data": self._context_write,
+            "llama_state_load_file": self._context_write,
+            "llama_state_seq_set_data": self._seq_state_write,
+            "llama_state_seq_set_data_ext": self._seq_state_write,
+            "llama_state_seq_load_file": self._seq_state_write,
+        }
+        for name, wrap in wrappers.items():
+            original = getattr(llama_cpp_module, name, None)
+            if original is None:
+                continue
+            wrapped = wrap(original)
+            wrapped.__wrapped__ = original  # type: ignore[attr-defined]
+            for namespace in (llama_cpp_module, llama_cpp):
+                if getattr(namespace, name, None) is original:
+                    setattr(namespace, name, wrapped)
+
+    # -- wrappers ----------------------------------------------------------------------------------------------------
+
+    def _batch_write(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def write(ctx: Any, batch: Any, *rest: Any) -> Any:
+            watched = self._watched(self._by_ctx, ctx)
+            if watched is None:
+                return original(ctx, batch, *rest)
+            first = _first_position(batch, watched)
+            if first is None:
+                memory = llama_cpp_module.llama_get_memory(ctx)
+                first = int(llama_cpp_module.llama_memory_seq_pos_max(memory, watched.seq_id)) + 1
+            result = original(ctx, batch, *rest)
+            watched.wrote(first)
+            return result
+
+        return write
+
+    def _clear(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def clear(memory: Any, *rest: Any) -> Any:
+            watched = self._watched(self._by_memory, memory)
+            if watched is None:
+                return original(memory, *rest)
+            if watched._take_clear_skip():
+                return None
+            result = original(memory, *rest)
+            watched.wrote(0)
+            return result
+
+        return clear
+
+    def _seq_write(self, seq_index: int, p0_index: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+            def write(memory: Any, *args: Any) -> Any:
+                watched = self._watched(self._by_memory, memory)
+                result = original(memory, *args)
+                if watched is not None:
+                    seq_id = int(args[seq_index - 1])
+                    if watched.touches(seq_id):
+                        p0 = int(args[p0_index - 1])
+                        watched.wrote(p0 if p0 >= 0 else 0)
+                return result
+
+            return write
+
+        return wrap
+
+    def _keep(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def keep(memory: Any, seq_id: Any, *rest: Any) -> Any:
+            watched = self._watched(self._by_memory, memory)
+            result = original(memory, seq_id, *rest)
+            if watched is not None and int(seq_id) != watched.seq_id:
+                watched.wrote(0)
+            return result
+
+        return keep
+
+    def _context_write(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def write(ctx: Any, *args: Any) -> Any:
+            watched = self._watched(self._by_ctx, ctx)
+            result = original(ctx, *args)
+            if watched is not None:
+                watched.wrote(0)
+            return result
+
+        return write
+
+    def _seq_state_write(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def write(ctx: Any, *args: Any) -> Any:
+            watched = self._watched(self._by_ctx, ctx)
+            result = original(ctx, *args)
+            if watched is not None:
+                # The destination sequence follows the source: a path, or a buffer and its size.
+                seq_id = args[1] if isinstance(args[0], (bytes, str)) else args[2]
+                try:
+                    touched = watched.touches(int(seq_id))
+                except (TypeError, ValueError):
+                    touched = True
+                if touched:
+                    watched.wrote(0)
+            return result
+
+        return write
+
+
+def _first_position(batch: Any, watched: Watched) -> int | None:
+    """The smallest position ``batch`` writes to the watched sequence (``None``: positions left to llama.cpp; a
+    batch that does not touch the sequence gives :data:`NOTHING_CHANGED`)."""
+    n = int(batch.n_tokens)
+    if not batch.pos:
+        return None
+    first = NOTHING_CHANGED
+    for i in range(n):
+        if batch.seq_id and batch.n_seq_id:
+            seqs = [batch.seq_id[i][j] for j in range(batch.n_seq_id[i])]
+        else:
+            seqs = [0]
+        if any(watched.touches(s) for s in seqs):
+            first = min(first, int(batch.pos[i]))
+    return first
+
+
+OUTSIDE_WRITES = OutsideWrites()
+"""The process's one registry (the wrappers are installed when the first context is watched)."""
