@@ -38,6 +38,7 @@ from .errors import (
     EmptySlotError,
     ForeignNamespaceError,
     IncompatibleStateError,
+    OpaqueMemoryError,
     SlotFileNotFoundError,
     StateRestoreError,
     UnsafePathError,
@@ -78,6 +79,7 @@ _STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
     (IncompatibleStateError, 400, "incompatible_slot_file"),
     (ForeignNamespaceError, 403, "forbidden"),
     (EmptySlotError, 409, "slot_empty"),
+    (OpaqueMemoryError, 409, "slot_not_saveable"),
     (StateRestoreError, 409, "restore_failed"),
     (CheckpointError, 400, "invalid_request"),
 )

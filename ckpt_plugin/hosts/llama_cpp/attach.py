@@ -91,8 +91,8 @@ class _Attachment:
         # them directly (the host code that wrote them is about to complete them); a later one drops them.
         self.generations = 0
         self.opaque_since: int | None = None
-        self.media = MediaFlow(backend.watched, llama, self._prepare_media, lambda: controller.slot.n_tokens,
-                               controller.process, controller.process_media)
+        self.media = MediaFlow(getattr(backend, "watched", None), llama, self._prepare_media, self._memory_end,
+                               self._process, self._process_media)
 
     @property
     def prompt_end(self) -> int | None:
@@ -139,6 +139,16 @@ class _Attachment:
         with self.controller.lock:
             self._reconcile()
             return self.media.eval_media(n_positions, decode)
+
+    # The controller is looked up at each call: a parallel view's changes with each lease.
+    def _memory_end(self) -> int:
+        return self.controller.slot.n_tokens
+
+    def _process(self, tokens: np.ndarray, prompt_end: int) -> None:
+        self.controller.process(tokens, prompt_end)
+
+    def _process_media(self, ids: np.ndarray, fill: Callable[[], None], prompt_end: int) -> None:
+        self.controller.process_media(ids, fill, prompt_end)
 
     def _prepare_media(self, prompt: np.ndarray, max_keep: int | None) -> int:
         n_keep = self.controller.prepare(prompt, max_keep=max_keep)

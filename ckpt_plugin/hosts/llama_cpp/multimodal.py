@@ -82,7 +82,7 @@ class MediaFlow:
     ``decode``, ``sync_host`` writes the host's ``input_ids`` / ``n_tokens``.
     """
 
-    def __init__(self, watched: Watched, llama: Any, prepare: Callable[[np.ndarray, int | None], int],
+    def __init__(self, watched: Watched | None, llama: Any, prepare: Callable[[np.ndarray, int | None], int],
                  memory_end: Callable[[], int], process: Callable[[np.ndarray, int], None],
                  process_media: Callable[[np.ndarray, Callable[[], None], int], None]) -> None:
         self._watched = watched
@@ -96,17 +96,25 @@ class MediaFlow:
         self.kept: int | None = None
 
     @property
+    def serves_media(self) -> bool:
+        """Whether media chunks can be served as keyed positions: not with a draft model, which would be handed the
+        media positions' ids as tokens."""
+        return getattr(self._llama, "draft_model", None) is None
+
+    @property
     def armed(self) -> bool:
         return self.tokens is not None
 
     def arm(self, tokens: np.ndarray) -> None:
         """The handler is about to evaluate ``tokens`` (after its reset and memory clear, which is skipped)."""
         self.tokens, self.cursor, self.kept = tokens, 0, None
-        self._watched.skip_next_clear()
+        if self._watched is not None:
+            self._watched.skip_next_clear()
 
     def disarm(self) -> None:
         self.tokens, self.cursor, self.kept = None, 0, None
-        self._watched.cancel_skip()
+        if self._watched is not None:
+            self._watched.cancel_skip()
 
     def completed(self, prompt: np.ndarray) -> bool:
         """Whether ``prompt`` is this request's prompt, every chunk of it handed to the engine."""
@@ -238,7 +246,7 @@ class MtmdRelay:
         if result != 0:
             flow.disarm()
             return result
-        tokens = media_prompt(self._module, mtmd_ctx, chunks)
+        tokens = media_prompt(self._module, mtmd_ctx, chunks) if flow.serves_media else None
         if tokens is None:
             log.info("multimodal prompt left to the host: its media positions cannot be keyed one per token")
             flow.disarm()

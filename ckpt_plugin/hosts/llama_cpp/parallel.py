@@ -98,6 +98,14 @@ class _SlotAttachment(_Attachment):
         self._open.add(generation)
         return generation
 
+    def eval(self, tokens: Sequence[int]) -> None:
+        if self.prompt_end is None:
+            # Slot 0 only stands in before a lease: evaluating on it would write into another request's slot. Only
+            # multimodal chat handlers evaluate before their completion starts.
+            raise UnsupportedHostError("parallel slots evaluate tokens only within a completion: multimodal chat "
+                                       "handlers are served with --parallel 1")
+        super().eval(tokens)
+
     def end(self) -> None:
         """End the generations the request left suspended (a client that left mid-stream): their slots are free
         now, not whenever the garbage collector reaches a generator that a reference cycle keeps alive."""
