@@ -2,7 +2,8 @@
 install; ``ckpt-serve`` without the ``serve`` extra says how to get it.
 
 The ``packaging`` tests (deselect with ``-m "not packaging"``) build with build isolation, as pip does, so they need
-the package index for setuptools (or pip's cache). The wheel goes into a fresh venv made without pip whose
+the package index for setuptools. They run with an empty home directory (``fresh_machine_home``), as on a new
+machine: pip's cache, and whatever else an earlier run left there, is not found. The wheel goes into a fresh venv made without pip whose
 dependencies come from this environment's site-packages, added by a ``.pth`` file after the wheel is installed (so
 that pip sees no ckpt_plugin there, and never touches this environment).
 """
@@ -18,17 +19,26 @@ import sys
 import sysconfig
 import tarfile
 import zipfile
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import pytest
 
 from ckpt_plugin_integrations import serve_entry
+from conftest import fresh_machine_home
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HINT = "pip install 'ckpt_plugin[serve]'"
 TIMEOUT = 300
 
 needs_posix = pytest.mark.skipif(os.name != "posix", reason="venv layout of POSIX (bin/)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_home() -> Iterator[pathlib.Path]:
+    """An empty home directory for the whole module (the sdist and the wheel are built once, by module-scoped
+    fixtures that must see it too)."""
+    with fresh_machine_home() as home:
+        yield home
 
 
 def _build_hooks() -> Any:
