@@ -36,7 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import Report, gemma_path  # noqa: E402
-from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, TRANSCRIPT_STOP  # noqa: E402
+from ckpt_plugin.hosts.llama_cpp.chat_formats import TRANSCRIPT_FORMAT, TRANSCRIPT_STOP  # noqa: E402
 from chat import ASSISTANT_REPLIES, USER_MESSAGES, Config, start, system_prompt, token_counter  # noqa: E402
 
 N_CTX, N_BATCH, N_THREADS = 4096, 512, 2
@@ -73,9 +73,10 @@ def servers(model: str, host_alone: bool, fixed: bool = False) -> list[Config]:
     settings = ["--model", model, "--n_ctx", str(N_CTX), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
                 "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS), "--seed", "0",
                 "--interrupt_requests", "false"]
-    # The embedded model's own chat format, named because --model names the file (llama-server gets the same
-    # through bench/transcript.jinja); with fixed replies, a format without stop strings (bench/alpaca.jinja).
-    chat_format, template = ("alpaca", "alpaca.jinja") if fixed else (DEFAULT_CHAT_FORMAT, "transcript.jinja")
+    # The plain transcript (the embedded model's default adds example turns), named because --model names the file
+    # (llama-server gets the same through bench/transcript.jinja); with fixed replies, a format without stop strings
+    # (bench/alpaca.jinja).
+    chat_format, template = ("alpaca", "alpaca.jinja") if fixed else (TRANSCRIPT_FORMAT, "transcript.jinja")
     ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings, "--chat_format", chat_format]
     out = [Config("p1", "ckpt-serve --parallel 1", [*ours, "--parallel", "1"], ckpt=True),
            Config("p4", "ckpt-serve --parallel 4", [*ours, "--parallel", "4"], ckpt=True)]

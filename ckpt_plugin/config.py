@@ -11,6 +11,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .cache import DEFAULT_MAX_BYTES
@@ -183,6 +184,20 @@ class CheckpointSettings(BaseSettings):
         return value
 
 
+PARALLEL_DRAFT_UNSUPPORTED = (
+    "parallel slots (parallel > 1) do not support a draft model yet: a draft model's context holds one sequence; "
+    "serve one with parallel 1"
+)
+"""Why a draft model (ckpt-serve's ``draft_model``, or llama_cpp.server's prompt lookup) and ``parallel > 1`` are
+refused before anything loads."""
+
+
+def combination_error(message: str, *fields: str) -> PydanticCustomError:
+    """A validation error about settings that do not go together, naming them in its context (``ctx["fields"]``),
+    so that a command line can say which flags, variables or config keys gave them."""
+    return PydanticCustomError("settings_combination", message, {"fields": fields})
+
+
 class ServeSettings(CheckpointSettings):
     """Checkpoint settings of a server: the manager's, plus what the middleware exposes and how tenants are told
     apart (``checkpoints`` section of ``ckpt-serve``'s config file, ``--checkpoint-*`` flags, ``CKPT_*``)."""
@@ -245,7 +260,8 @@ class ServeSettings(CheckpointSettings):
     @model_validator(mode="after")
     def _header_named(self) -> "ServeSettings":
         if self.namespaces == "header" and not self.namespace_header:
-            raise ValueError("namespaces='header' needs namespace_header (the header your gateway sets)")
+            raise combination_error("namespaces='header' needs namespace_header (the header your gateway sets)",
+                                    "namespaces")
         if self.parallel > 1 and self.draft_model is not None:
-            raise ValueError("parallel > 1 cannot be combined with draft_model: the draft context has one sequence")
+            raise combination_error(PARALLEL_DRAFT_UNSUPPORTED, "parallel", "draft_model")
         return self

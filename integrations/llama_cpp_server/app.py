@@ -13,11 +13,11 @@ from llama_cpp.server.settings import ModelSettings, ServerSettings
 from ckpt_plugin import host_compat
 from ckpt_plugin.admission import Admission
 from ckpt_plugin.config import ServeSettings
-from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.grammar_guard import GrammarGuard
 from ckpt_plugin.middleware import CheckpointMiddleware
 
 from .guards import host_route_guards, warm_up
+from .model_checks import check_parallel
 from .proxy import CheckpointLlamaProxy, RequestViews
 from .read_ahead import collect_streams, iterate_chunks, stop_streams
 
@@ -32,9 +32,7 @@ def create_app(
     :return: The FastAPI app; ``app.state.llama_proxy`` is the proxy (its ``managers`` are the live managers).
     """
     settings = checkpoint_settings or ServeSettings()
-    if settings.parallel > 1 and len(model_settings) > 1:
-        raise ConfigError("parallel > 1 serves one model: the config file names "
-                          f"{len(model_settings)} (use one ckpt-serve per model)")
+    check_parallel(model_settings, settings.parallel)
     original = host.LlamaProxy
     # The host builds its proxy by this module-level name; swap it only while the app is built.
     host.LlamaProxy = functools.partial(CheckpointLlamaProxy, settings=settings)  # type: ignore[misc]

@@ -17,20 +17,28 @@ import errno
 import json
 import os
 import socket
+import ssl
 import sys
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, Collection, NoReturn, Sequence
 
 from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
 from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings, Settings
 from pydantic import ValidationError
 
 from ckpt_plugin.config import ServeSettings, setting_variables, unknown_variables
-from ckpt_plugin.default_model import default_model_path
+from ckpt_plugin.default_model import default_model_location, default_model_path
 from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT
 
 from ..settings_flags import add_settings_flags, flag_name, given_flags, plain_text
-from .model_checks import check_chat_formats, check_model_file, templateless_models
+from .model_checks import (
+    check_chat_formats,
+    check_directory,
+    check_model_file,
+    check_model_settings,
+    check_parallel,
+    templateless_models,
+)
 
 CHECKPOINT_ALIASES: dict[str, str] = {
     "--checkpoint-budget": "cache_max_bytes",
@@ -91,9 +99,33 @@ def _suggest_flags(words: list[str], parser: argparse.ArgumentParser) -> str:
     return ""
 
 
+def _host_value(parse: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
+    """llama_cpp.server's parser of a flag's value, refusing a bad one in words: argparse names the function of a
+    ``ValueError`` ("invalid _parse_bool_arg value")."""
+
+    def checked(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            # json's own message says where the text stops parsing; the host's says only that it is no object.
+            detail = f" ({exc})" if isinstance(exc, json.JSONDecodeError) else ""
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}{detail}") from None
+
+    checked.__name__ = getattr(parse, "__name__", "value")
+    return checked
+
+
+HOST_VALUE_TYPES: dict[str, str] = {"_parse_bool_arg": "true or false", "_parse_json_object_arg": "a JSON object"}
+"""The value parsers of llama_cpp.server's flags that raise a bare ``ValueError``, and what each expects."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ckpt-serve", description=plain_text(__doc__.splitlines()[0]))
     add_args_from_model(parser, Settings)
+    for action in parser._actions:
+        expected = HOST_VALUE_TYPES.get(getattr(action.type, "__name__", ""))
+        if expected is not None:
+            action.type = _host_value(action.type, expected)  # type: ignore[arg-type]
     parser.add_argument("--config_file", type=str, help="Path to a JSON or YAML config file to load.")
     group = parser.add_argument_group("checkpoint settings (also the config file's checkpoints section, CKPT_*)")
     add_settings_flags(group, ServeSettings, aliases=CHECKPOINT_ALIASES)
@@ -173,7 +205,10 @@ def _checkpoint_settings(
         for err in exc.errors():
             field = str(err["loc"][0]) if err["loc"] else ""
             if not field:
-                problems.append(f"checkpoints: {_problem(err)}")
+                # A combination (ServeSettings' model validator): name where each of its settings came from.
+                combined = [_checkpoint_source(name, flags, section, config_file, typed)
+                            for name in (err.get("ctx") or {}).get("fields", ())]
+                problems.append(f"{' with '.join(combined) or 'checkpoints'}: {_problem(err)}")
                 continue
             source = _checkpoint_source(field, flags, section, config_file, typed)
             if err["type"] == "extra_forbidden":
@@ -193,16 +228,51 @@ def _settings_problems(exc: ValidationError, where: str) -> str:
     return f"{where}: " + "; ".join(f"{place(err['loc'])}: {_problem(err)}" for err in exc.errors())
 
 
+def _host_setting_source(field: str, flags: Collection[str], config_file: str | None) -> str:
+    """Where the llama_cpp.server setting ``field`` came from: its flag (which wins over the config file), else the
+    config file's key, else its environment variable (llama_cpp.server's settings read ``N_CTX``, ``PORT``, ...)."""
+    if field in flags:
+        return f"--{field}"
+    return f"config file {config_file}: {field}" if config_file else field.upper()
+
+
+def _given_settings_problems(exc: ValidationError, args: argparse.Namespace, config_file: str | None) -> str:
+    """One line naming each invalid server or model setting by where it was given."""
+    flags = {name for name, value in vars(args).items() if value is not None}
+    return "; ".join(
+        f"{_host_setting_source(str(err['loc'][0]), flags, config_file) if err['loc'] else 'settings'}: "
+        f"{_problem(err)}"
+        for err in exc.errors()
+    )
+
+
 @dataclasses.dataclass
 class LoadedSettings:
-    """What :func:`load_settings` returns, and where each model's file was named (for messages)."""
+    """What :func:`load_settings` returns, and where each model's file was named (for messages).
+
+    :ivar embedded: No model was named: ``models[0]`` is the embedded default, whose file
+        :func:`prepare_default_model` assembles once every check has passed.
+    """
 
     server: ServerSettings
     models: list[ModelSettings]
     checkpoints: ServeSettings
     model_sources: list[str]
     checkpoint_sources: dict[str, str]
-    chat_format_sources: list[str]
+    config_file: str | None = None
+    flags: frozenset[str] = frozenset()
+    embedded: bool = False
+
+    def model_source(self, index: int, field: str) -> str:
+        """Where model ``index``'s setting ``field`` came from: the config file's key, else its flag if one was
+        given, else its environment variable (llama_cpp.server reads ``FIELD`` from the environment)."""
+        if self.config_file:
+            return f"config file {self.config_file}: models[{index}].{field}"
+        return f"--{field}" if field in self.flags else field.upper()
+
+    def server_source(self, field: str) -> str:
+        """Where the server setting ``field`` came from (:func:`_host_setting_source`)."""
+        return _host_setting_source(field, self.flags, self.config_file)
 
 
 def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[ModelSettings], ServeSettings]:
@@ -211,6 +281,7 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, li
     :raises ConfigError: With a message naming the bad key or flag.
     """
     loaded = _load_settings(argv)
+    prepare_default_model(loaded)
     return loaded.server, loaded.models, loaded.checkpoints
 
 
@@ -242,7 +313,6 @@ def _load_settings(argv: Sequence[str] | None = None) -> LoadedSettings:
             if not models:
                 raise ConfigError(f"config file {config_file} names no models")
             sources = [f"config file {config_file}: models[{i}].model" for i in range(len(models))]
-            format_sources = [f"config file {config_file}: models[{i}].chat_format" for i in range(len(models))]
         else:
             section = {}
             server = parse_model_from_args(ServerSettings, args)
@@ -251,26 +321,49 @@ def _load_settings(argv: Sequence[str] | None = None) -> LoadedSettings:
             elif os.environ.get("MODEL"):
                 sources = ["MODEL"]
             else:
-                try:
-                    args.model = str(default_model_path(progress=True))
-                except RuntimeError as exc:  # the package is missing
-                    raise ConfigError(f"no --model given, and {exc}") from None
-                except OSError as exc:  # the cache directory is not writable, or full
-                    raise ConfigError(f"no --model given, and the embedded default model cannot be written to "
-                                      f"{exc.filename or 'the cache directory'}: {exc.strerror or exc}") from None
+                # Where the file will be: it is assembled (270 MB written) only once every check has passed.
+                args.model = _embedded_model(assemble=False)
                 sources = ["the embedded default model"]
                 embedded = True
             models = [parse_model_from_args(ModelSettings, args)]
-            format_sources = ["--chat_format" if args.chat_format is not None else "CHAT_FORMAT"]
     except ValidationError as exc:
-        raise ConfigError(_settings_problems(exc, "invalid server or model settings")) from exc
+        raise ConfigError(_given_settings_problems(exc, args, config_file)) from exc
     typed = given_flags(args)
     checkpoints = _checkpoint_settings(section, flags, config_file, typed)
     checkpoint_sources = {
         field: _checkpoint_source(field, flags, section, config_file, typed) for field in checkpoints.model_fields_set
     }
+    host_flags = frozenset(k for k, v in vars(args).items() if v is not None and k in Settings.model_fields)
     return LoadedSettings(server, [with_serve_defaults(model, embedded) for model in models], checkpoints, sources,
-                          checkpoint_sources, format_sources)
+                          checkpoint_sources, config_file, host_flags, embedded)
+
+
+def _embedded_model(assemble: bool) -> str:
+    """The embedded default model's path; with ``assemble``, its file is written first if it is missing.
+
+    :raises ConfigError: The package is missing, the cache directory is not writable, or the file there is damaged.
+    """
+    try:
+        return str(default_model_path(progress=True) if assemble else default_model_location())
+    except RuntimeError as exc:  # the package is missing
+        raise ConfigError(f"no --model given, and {exc}") from None
+    except FileExistsError as exc:  # the package's words for a file there whose checksum is wrong
+        raise ConfigError(f"no --model given, and the embedded default model's file is damaged ({exc}): delete it, "
+                          "and ckpt-serve assembles it again") from None
+    except OSError as exc:  # the cache directory is not writable, or full
+        raise ConfigError(f"no --model given, and the embedded default model cannot be written to "
+                          f"{exc.filename or 'the cache directory'}: {exc.strerror or exc}") from None
+
+
+def prepare_default_model(loaded: LoadedSettings) -> None:
+    """Assemble the embedded default model's file where it is served and missing (the first run: 270 MB written to
+    ``~/.cache``, with a progress bar on stderr); :func:`main` calls it after every check, so that a bad argument
+    is reported at once, not after the model is written.
+
+    :raises ConfigError: As :func:`_embedded_model`.
+    """
+    if loaded.embedded:
+        _embedded_model(assemble=True)
 
 
 def with_serve_defaults(model: ModelSettings, embedded: bool = False) -> ModelSettings:
@@ -338,27 +431,109 @@ def known_variables() -> set[str]:
     return setting_variables(ServeSettings, RunSettings)
 
 
+DOWNLOAD_ERROR_MODULES = frozenset({"huggingface_hub", "httpx", "httpx2", "requests", "urllib3"})
+"""Packages whose exceptions, while a model named by ``hf_model_repo_id`` loads, mean its download failed."""
+
+
+def _load_failure(models: list[ModelSettings], exc: Exception) -> str | None:
+    """One line for a failure to load the models that the user can fix, or None for any other (a bug: its traceback
+    is kept).
+
+    llama-cpp-python says in a ``ValueError`` that llama.cpp refused the model or the context; ``Llama.from_pretrained``
+    lets the hub client's exceptions through when a model of a Hugging Face repository cannot be downloaded (no
+    network, no such repository or file).
+    """
+    if isinstance(exc, ValueError) and str(exc).startswith("Failed to load model from file"):
+        return (f"llama.cpp could not load {models[0].model}: not a model it supports, or a damaged file "
+                "(its log above says why)")
+    if isinstance(exc, ValueError) and str(exc).startswith("Failed to create llama_context"):
+        return (f"llama.cpp could not create a context of {models[0].n_ctx} tokens for {models[0].model} "
+                "(its log above says why; a smaller --n_ctx needs less memory)")
+    repos = [model for model in models if model.hf_model_repo_id is not None]
+    if not repos:
+        return None
+    module = type(exc).__module__.partition(".")[0]
+    # from_pretrained's own ValueError: no file, or several, of the repository match the name.
+    matching = isinstance(exc, ValueError) and ("No file found" in str(exc) or "Multiple files found" in str(exc))
+    if module not in DOWNLOAD_ERROR_MODULES and not isinstance(exc, ConnectionError) and not matching:
+        return None
+    names = ", ".join(f"{model.model} of {model.hf_model_repo_id}" for model in repos)
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"could not download {names} from Hugging Face: {reason}"
+
+
 def _fail(message: str) -> NoReturn:
     print(f"ckpt-serve: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_settings(argv: Sequence[str] | None = None) -> LoadedSettings:
+    """Read the settings (:func:`load_settings`) and check everything that can be checked without writing or loading
+    anything: the model files, the chat formats, the combinations of settings, the address to listen on.
+
+    The embedded default model is not assembled here (:func:`prepare_default_model` does it after these checks).
+
+    :raises ConfigError: Naming the flag, variable or config key to change.
+    :raises SystemExit: With status 2, a flag or value the parser refuses (one line on stderr).
+    """
+    loaded = _load_settings(argv)
+    models, checkpoints = loaded.models, loaded.checkpoints
+    for model, source in zip(models, loaded.model_sources):
+        if model.hf_model_repo_id is None and not loaded.embedded:  # the embedded file is written afterwards
+            check_model_file(model.model, source)
+    if checkpoints.draft_model:
+        check_model_file(checkpoints.draft_model, loaded.checkpoint_sources.get("draft_model", "draft_model"))
+    indexes = range(len(models))
+    check_chat_formats(models, [loaded.model_source(i, "chat_format") for i in indexes])
+    check_model_settings(models, loaded.model_source)
+    check_parallel(models, checkpoints.parallel, loaded.checkpoint_sources.get("parallel", "parallel"),
+                   [loaded.model_source(i, "draft_model") for i in indexes])
+    for field in ("disk_dir", "slot_save_path"):
+        path = getattr(checkpoints, field)
+        if path is not None:
+            check_directory(path, loaded.checkpoint_sources.get(field, field))
+    check_tls(loaded)
+    check_port(*_address(loaded.server))
+    return loaded
+
+
+def check_tls(loaded: LoadedSettings) -> None:
+    """Load the TLS certificate and key as uvicorn will (after the models, with a traceback if they are wrong).
+
+    :raises ConfigError: A key without a certificate, or files that are missing or do not hold a matching pair.
+    """
+    server = loaded.server
+    if server.ssl_keyfile is None and server.ssl_certfile is None:
+        return
+    if server.ssl_certfile is None:
+        raise ConfigError(f"{loaded.server_source('ssl_keyfile')}: a private key needs its certificate "
+                          "(ssl_certfile) too")
+    for field in ("ssl_certfile", "ssl_keyfile"):
+        path = getattr(server, field)
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{loaded.server_source(field)}: no such file: {path}")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(server.ssl_certfile, server.ssl_keyfile)
+    except (ssl.SSLError, OSError) as exc:
+        fields = " with ".join(loaded.server_source(f) for f in ("ssl_certfile", "ssl_keyfile")
+                               if getattr(server, f) is not None)
+        # OpenSSL's reasons ("PEM lib", "KEY_VALUES_MISMATCH") say little more than this.
+        why = "not a PEM certificate and its matching private key" if isinstance(exc, ssl.SSLError) else \
+            f"cannot be read: {exc.strerror or exc}"
+        raise ConfigError(f"{fields}: {why}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     for warning in unknown_variables(os.environ, known_variables()):
         print(f"ckpt-serve: warning: {warning}", file=sys.stderr)
     try:
-        loaded = _load_settings(argv)
-        server, models, checkpoints = loaded.server, loaded.models, loaded.checkpoints
-        for model, source in zip(models, loaded.model_sources):
-            if model.hf_model_repo_id is None:
-                check_model_file(model.model, source)
-        if checkpoints.draft_model:
-            check_model_file(checkpoints.draft_model, loaded.checkpoint_sources.get("draft_model", "draft_model"))
-        check_chat_formats(models, loaded.chat_format_sources)
-        host, port = _address(server)
-        check_port(host, port)
+        loaded = check_settings(argv)
+        # Last: the only step that writes (270 MB, the first time), once nothing can refuse the arguments.
+        prepare_default_model(loaded)
     except ConfigError as exc:
         _fail(str(exc))
+    server, models, checkpoints = loaded.server, loaded.models, loaded.checkpoints
+    host, port = _address(server)
     for line in templateless_models(models):
         print(f"ckpt-serve: {line}", file=sys.stderr)
     import uvicorn
@@ -375,13 +550,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         app = create_app(server, models, checkpoints)
     except ConfigError as exc:
         _fail(str(exc))
-    except ValueError as exc:  # llama-cpp-python's words for llama.cpp refusing the model or the context
-        if str(exc).startswith("Failed to load model from file"):
-            _fail(f"llama.cpp could not load {models[0].model}: not a model it supports, or a damaged file "
-                  "(its log above says why)")
-        if str(exc).startswith("Failed to create llama_context"):
-            _fail(f"llama.cpp could not create a context of {models[0].n_ctx} tokens for {models[0].model} "
-                  "(its log above says why; a smaller --n_ctx needs less memory)")
+    except Exception as exc:  # noqa: BLE001 - what the user can fix is one line; anything else propagates
+        failed = _load_failure(models, exc)
+        if failed:
+            _fail(failed)
         raise
     # sse-starlette ends every stream at once on SIGTERM; streams in flight get shutdown_timeout to finish instead
     # (uvicorn's graceful shutdown cancels what is left after it).

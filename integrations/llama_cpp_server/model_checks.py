@@ -1,17 +1,27 @@
-"""Checks of the model files ckpt-serve is asked to serve, before any loads: each refusal is a
-:class:`~ckpt_plugin.errors.ConfigError` naming the flag, variable or config key that gave the bad value."""
+"""Checks of the models and files ckpt-serve is asked to serve, before any loads: each refusal is a
+:class:`~ckpt_plugin.errors.ConfigError` naming the flag, variable or config key that gave the bad value.
+
+llama_cpp.server reads several settings only when it loads a model, and a bad one then stops it with a traceback
+(a ``--kv_overrides`` without ``=``, a multimodal chat format without ``--clip_model_path``, a missing LoRA file):
+they are checked here first, so that a user learns of them at once rather than after the model has loaded.
+"""
 
 from __future__ import annotations
 
 import difflib
+import importlib.util
+import json
 import logging
 import os
+from typing import Callable
 
 import gguf
 from llama_cpp.server.settings import ModelSettings
 
+from ckpt_plugin.config import PARALLEL_DRAFT_UNSUPPORTED
 from ckpt_plugin.default_model import is_default_model
 from ckpt_plugin.errors import ConfigError
+from ckpt_plugin.host_compat import SERVER_CHAT_FORMATS
 from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, known_chat_formats
 
 log = logging.getLogger("ckpt_plugin")
@@ -87,3 +97,131 @@ def check_chat_formats(models: list[ModelSettings], sources: list[str]) -> None:
         close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else f"known formats: {', '.join(sorted(known))}"
         raise ConfigError(f"{source}: unknown chat format {name!r}; {hint}")
+
+
+def check_parallel(models: list[ModelSettings], parallel: int, parallel_source: str = "parallel",
+                   draft_sources: list[str] | None = None) -> None:
+    """Refuse what parallel slots do not serve yet, before a model loads: several models, or a model with
+    llama_cpp.server's draft model (``--draft_model``, prompt lookup decoding). ckpt-serve's own ``draft_model``
+    (``--draft-model``) is refused by :class:`~ckpt_plugin.config.ServeSettings` itself.
+
+    :param parallel_source: Where ``parallel`` was set (a flag, variable or config key).
+    :param draft_sources: Where each model's ``draft_model`` was set.
+    :raises ConfigError: Naming the settings that do not go together.
+    """
+    if parallel <= 1:
+        return
+    if len(models) > 1:
+        raise ConfigError(f"{parallel_source}: parallel > 1 serves one model, and {len(models)} are named "
+                          "(use one ckpt-serve per model)")
+    for model, source in zip(models, draft_sources or ["draft_model"] * len(models)):
+        if model.draft_model is not None:
+            raise ConfigError(f"{parallel_source} with {source}: {PARALLEL_DRAFT_UNSUPPORTED}")
+
+
+SettingSource = Callable[[int, str], str]
+"""``source(index, field)``: where model ``index``'s setting ``field`` was given (a flag, variable or config key)."""
+
+FORMAT_NEEDS: dict[str, tuple[str, str]] = {
+    **{name: ("clip_model_path", "the multimodal projector file") for name in SERVER_CHAT_FORMATS},
+    "hf-autotokenizer": ("hf_pretrained_model_name_or_path", "the Hugging Face tokenizer"),
+    "hf-tokenizer-config": ("hf_tokenizer_config_path", "a tokenizer_config.json file"),
+}
+"""The chat formats llama_cpp.server builds by name, and the setting each needs (it asserts it as the model loads)."""
+
+GGUF_FILE_SETTINGS = ("lora_base", "lora_path", "clip_model_path")
+"""Model settings that name a local GGUF file (a ``clip_model_path`` is a file of the repository instead when
+``hf_model_repo_id`` is set)."""
+
+
+
+def _kv_bool(text: str) -> bool:
+    # llama_cpp.server reads any word but true and 1 as false: a typo would turn a setting off unsaid.
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(text)
+    return text.lower() in ("true", "1")
+
+
+KV_OVERRIDE_TYPES: dict[str, Callable[[str], object]] = {"int": int, "float": float, "bool": _kv_bool, "str": str}
+
+
+def check_model_settings(models: list[ModelSettings], source: SettingSource) -> None:
+    """Refuse, before a model loads, the model settings llama_cpp.server reads only as it loads one.
+
+    :raises ConfigError: Naming the setting, where it was given and what it needs.
+    """
+    for index, model in enumerate(models):
+        needed = FORMAT_NEEDS.get(model.chat_format or "")
+        if needed is not None and getattr(model, needed[0]) is None:
+            raise ConfigError(f"{source(index, 'chat_format')}: chat format {model.chat_format!r} needs "
+                              f"{needed[0]} ({needed[1]}), which is not set")
+        for field in GGUF_FILE_SETTINGS:
+            path = getattr(model, field)
+            if path is not None and not (field == "clip_model_path" and model.hf_model_repo_id is not None):
+                check_model_file(path, source(index, field))
+        if model.hf_tokenizer_config_path is not None:
+            _check_json_file(model.hf_tokenizer_config_path, source(index, "hf_tokenizer_config_path"))
+        if model.hf_pretrained_model_name_or_path is not None and importlib.util.find_spec("transformers") is None:
+            raise ConfigError(f"{source(index, 'hf_pretrained_model_name_or_path')}: a Hugging Face tokenizer needs "
+                              "the transformers package: pip install transformers")
+        for override in model.kv_overrides or []:
+            _check_kv_override(override, source(index, "kv_overrides"))
+        for field in ("type_k", "type_v"):
+            _check_ggml_type(getattr(model, field), source(index, field))
+
+
+def _check_json_file(path: str, source: str) -> None:
+    try:
+        with open(path, "rb") as handle:
+            json.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such file: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{source}: {path} is a directory, not a JSON file") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(f"{source}: {path} is not valid JSON: {exc}") from None
+
+
+def _check_kv_override(override: str, source: str) -> None:
+    """llama_cpp.server's reading of one ``KEY=TYPE:VALUE`` override: it unpacks ``split("=")`` and ``split(":")``
+    (a traceback on any other count) and ignores an override without a type."""
+    form = "KEY=TYPE:VALUE, TYPE one of int, float, bool, str"
+    parts = override.split("=")
+    typed = parts[1].split(":") if len(parts) == 2 else []
+    if len(typed) != 2 or typed[0] not in KV_OVERRIDE_TYPES:
+        raise ConfigError(f"{source}: {override!r} is not {form} (one '=' and one ':')")
+    try:
+        KV_OVERRIDE_TYPES[typed[0]](typed[1])
+    except ValueError:
+        raise ConfigError(f"{source}: {override!r}: {typed[1]!r} is not of type {typed[0]}") from None
+
+
+def _check_ggml_type(value: int | None, source: str) -> None:
+    """A KV cache type must be one of ggml's (llama.cpp refuses the context otherwise, after loading the model)."""
+    if value is None:
+        return
+    from llama_cpp import llama_cpp as lib
+
+    names = {getattr(lib, name): name[len("GGML_TYPE_"):].lower() for name in dir(lib)
+             if name.startswith("GGML_TYPE_") and name != "GGML_TYPE_COUNT"}
+    if value not in names:
+        raise ConfigError(f"{source}: {value} is not a ggml type (e.g. {lib.GGML_TYPE_F16} for f16, "
+                          f"{lib.GGML_TYPE_Q8_0} for q8_0)")
+
+
+def check_directory(path: str, source: str) -> None:
+    """Make sure ``path`` is a directory this process can write, creating it (as the disk tier and slot saves
+    would on first use) where it is missing.
+
+    :raises ConfigError: ``path`` is a file, or cannot be created or written.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{source}: {path} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot create the directory {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{source}: no permission to write to {path}")
