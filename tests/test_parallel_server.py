@@ -302,6 +302,7 @@ def test_parallel_slots_without_flash_attention(tiny_model: Any) -> None:
     (["--draft-model", "{model}"], "--parallel with --draft-model: parallel slots (parallel > 1) do not support"),
     (["--draft_model", "prompt-lookup-decoding"], "--parallel with --draft_model: parallel slots (parallel > 1)"),
     (["--config_file", "{two_models}"], "serves one model"),
+    (["--chat_format", "llava-1-5", "--clip_model_path", "{model}"], "parallel slots do not decode images"),
 ])
 def test_parallel_refuses_what_it_cannot_serve_in_one_line(tiny_model: Any, tmp_path: Any, extra: list[str],
                                                           words: str) -> None:

@@ -101,8 +101,8 @@ def check_chat_formats(models: list[ModelSettings], sources: list[str]) -> None:
 
 def check_parallel(models: list[ModelSettings], parallel: int, parallel_source: str = "parallel",
                    draft_sources: list[str] | None = None) -> None:
-    """Refuse what parallel slots do not serve yet, before a model loads: several models, or a model with
-    llama_cpp.server's draft model (``--draft_model``, prompt lookup decoding). ckpt-serve's own ``draft_model``
+    """Refuse what parallel slots do not serve yet, before a model loads: several models, a multimodal projector, or
+    a model with llama_cpp.server's draft model (``--draft_model``, prompt lookup decoding). ckpt-serve's own ``draft_model``
     (``--draft-model``) is refused by :class:`~ckpt_plugin.config.ServeSettings` itself.
 
     :param parallel_source: Where ``parallel`` was set (a flag, variable or config key).
@@ -117,6 +117,10 @@ def check_parallel(models: list[ModelSettings], parallel: int, parallel_source: 
     for model, source in zip(models, draft_sources or ["draft_model"] * len(models)):
         if model.draft_model is not None:
             raise ConfigError(f"{parallel_source} with {source}: {PARALLEL_DRAFT_UNSUPPORTED}")
+        if model.clip_model_path:
+            raise ConfigError(f"{parallel_source} with clip_model_path: parallel slots do not decode images or audio "
+                              "yet (a multimodal chat handler evaluates before its completion has a slot); serve a "
+                              "multimodal model with parallel 1")
 
 
 SettingSource = Callable[[int, str], str]
