@@ -33,14 +33,22 @@ Usage::
 or from the command line::
 
     python -m ckpt_plugin.tiny_models gemma3 /tmp/gemma3.gguf
+
+For multimodal tests, :func:`write_tiny_mmproj` writes a matching vision
+projector (a llava-style MLP over a tiny CLIP encoder) that llama.cpp's mtmd
+library loads next to any of these models, and :func:`tiny_png` /
+:func:`image_data_uri` make deterministic images to send through it.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import pathlib
 import string
+import struct
+import zlib
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Literal, get_args
@@ -57,12 +65,18 @@ __all__ = [
     "BOS_ID",
     "DEFAULT_N_LAYER",
     "EOS_ID",
+    "MMPROJ_IMAGE_SIZE",
+    "MMPROJ_PATCH_SIZE",
     "MODEL_KINDS",
     "ModelKind",
     "N_VOCAB",
     "UNK_ID",
     "VOCAB",
     "build_tiny_model",
+    "image_data_uri",
+    "mmproj_positions_per_image",
+    "tiny_png",
+    "write_tiny_mmproj",
 ]
 
 ModelKind = Literal["llama", "gemma3", "mamba", "hybrid"]
@@ -381,6 +395,13 @@ _BUILDERS: dict[str, Callable[[_BuildArgs], None]] = {
 }
 
 
+def _write_out(writer: gguf.GGUFWriter) -> None:
+    """Write a filled writer's header, key-value data and tensors to its file (the caller closes it)."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+
+
 def build_tiny_model(
     kind: str,
     path: str | os.PathLike[str],
@@ -433,12 +454,180 @@ def build_tiny_model(
         tensors = _Tensors(writer, np.random.default_rng(seed))
         _BUILDERS[kind](_BuildArgs(writer, tensors, n_layer, sliding_window))
 
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        _write_out(writer)
     finally:
         writer.close()
     return out
+
+
+# --------------------------------------------------------------------------
+# Vision projector (mmproj) and images
+# --------------------------------------------------------------------------
+
+#: Side of the square image the projector's encoder takes (every image is resized to it).
+MMPROJ_IMAGE_SIZE = 28
+#: Side of one square patch; an image becomes ``(image_size // patch_size) ** 2`` positions.
+MMPROJ_PATCH_SIZE = 14
+#: Vision-encoder width, heads, feed-forward width and blocks.
+MMPROJ_N_EMBD = 32
+MMPROJ_N_HEAD = 2
+MMPROJ_N_FF = 64
+MMPROJ_N_LAYER = 2
+#: Hidden width of the two-layer MLP projector (``mm.0`` -> GELU -> ``mm.2``).
+MMPROJ_N_HIDDEN = 64
+MMPROJ_LAYER_NORM_EPS = 1e-5
+# Pixels are normalised to [-1, 1] before the patch convolution.
+_MMPROJ_IMAGE_MEAN = (0.5, 0.5, 0.5)
+_MMPROJ_IMAGE_STD = (0.5, 0.5, 0.5)
+# Position embeddings stay small next to the patch embeddings, so that the image content (not only where a
+# patch is) decides what the projector outputs.
+_MMPROJ_POS_STD = 0.1
+
+
+def mmproj_positions_per_image(image_size: int = MMPROJ_IMAGE_SIZE, patch_size: int = MMPROJ_PATCH_SIZE) -> int:
+    """The positions (and embeddings) one image takes in the text model's context with a tiny projector.
+
+    The llava MLP projector emits one embedding per patch, without class token or row separators, and mtmd places
+    them at consecutive positions: ``n_pos == n_tokens`` for an image chunk.
+    """
+    return (image_size // patch_size) ** 2
+
+
+def write_tiny_mmproj(
+    path: str | os.PathLike[str],
+    text_n_embd: int = N_EMBD,
+    *,
+    seed: int = 0,
+    image_size: int = MMPROJ_IMAGE_SIZE,
+    patch_size: int = MMPROJ_PATCH_SIZE,
+    n_layer: int = MMPROJ_N_LAYER,
+) -> pathlib.Path:
+    """Write a tiny random-weight vision projector (mmproj GGUF) that llama.cpp's mtmd library loads.
+
+    The file has projector type ``"mlp"`` (LLaVA-1.5): a CLIP-style ViT (patch convolution with bias, learned
+    position embeddings, pre-layernorm, ``n_layer`` pre-norm blocks with biased attention and a GELU feed-forward)
+    and a two-layer MLP (``mm.0``, GELU, ``mm.2``) into the text model's embedding space.  Like LLaVA, mtmd reads
+    the features of the second-to-last block, so of ``n_layer`` blocks the first ``n_layer - 1`` run (with
+    ``n_layer=1`` the image goes through the patch embedding, pre-layernorm and MLP only).
+
+    Every image, whatever its size, is resized to ``image_size`` x ``image_size`` and becomes
+    :func:`mmproj_positions_per_image` embeddings (4 with the defaults).  The projector's output width must equal
+    the text model's ``n_embd`` (mtmd refuses the pair otherwise): the default, :data:`N_EMBD` (64), pairs with
+    every model :func:`build_tiny_model` writes (llama, gemma3, mamba, hybrid).  Weights are F32 from
+    ``numpy.random.default_rng(seed)``; same arguments, same bytes.  The file is about 170 KB.
+
+    Args:
+        path: output file; parent directories are created.
+        text_n_embd: embedding width of the text model it feeds.
+        seed: seed for the weights.
+        image_size: side of the square image the encoder takes; a multiple of ``patch_size``.
+        patch_size: side of one patch.
+        n_layer: encoder blocks written (at least 1).
+
+    Returns:
+        The path of the written file.
+    """
+    if gguf is None:
+        raise ModuleNotFoundError("tiny models are written with the gguf package: pip install 'ckpt_plugin[test]'")
+    if text_n_embd < 1:
+        raise ValueError(f"text_n_embd must be >= 1, got {text_n_embd}")
+    if patch_size < 1 or image_size < patch_size or image_size % patch_size:
+        raise ValueError(f"image_size ({image_size}) must be a positive multiple of patch_size ({patch_size})")
+    if n_layer < 1:
+        raise ValueError(f"n_layer must be >= 1, got {n_layer}")
+
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n_embd, n_ff, n_hidden = MMPROJ_N_EMBD, MMPROJ_N_FF, MMPROJ_N_HIDDEN
+    n_pos = mmproj_positions_per_image(image_size, patch_size)
+
+    writer = gguf.GGUFWriter(out, "clip")
+    try:
+        writer.add_name("tiny-mmproj")
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        # Keys as mtmd's clip loader reads them (clip-impl.h), spelled out rather than through the writer's
+        # helpers, whose names have changed between gguf releases.
+        writer.add_string("clip.projector_type", "mlp")
+        writer.add_bool("clip.has_vision_encoder", True)
+        writer.add_bool("clip.has_audio_encoder", False)
+        writer.add_uint32("clip.vision.image_size", image_size)
+        writer.add_uint32("clip.vision.patch_size", patch_size)
+        writer.add_uint32("clip.vision.embedding_length", n_embd)
+        writer.add_uint32("clip.vision.feed_forward_length", n_ff)
+        writer.add_uint32("clip.vision.block_count", n_layer)
+        writer.add_uint32("clip.vision.projection_dim", text_n_embd)
+        writer.add_uint32("clip.vision.attention.head_count", MMPROJ_N_HEAD)
+        writer.add_float32("clip.vision.attention.layer_norm_epsilon", MMPROJ_LAYER_NORM_EPS)
+        writer.add_array("clip.vision.image_mean", list(_MMPROJ_IMAGE_MEAN))
+        writer.add_array("clip.vision.image_std", list(_MMPROJ_IMAGE_STD))
+
+        t = _Tensors(writer, np.random.default_rng(seed))
+        # The patch convolution's kernel: ggml {patch, patch, 3, n_embd}.
+        t.normal("v.patch_embd.weight", (n_embd, 3, patch_size, patch_size), 1.0 / np.sqrt(3 * patch_size**2))
+        t.normal("v.patch_embd.bias", (n_embd,), 0.1)
+        t.normal("v.position_embd.weight", (n_pos, n_embd), _MMPROJ_POS_STD)
+        t.ones("v.pre_ln.weight", n_embd)
+        t.add("v.pre_ln.bias", np.zeros(n_embd))
+        for il in range(n_layer):
+            p = f"v.blk.{il}"
+            for norm in ("ln1", "ln2"):
+                t.ones(f"{p}.{norm}.weight", n_embd)
+                t.add(f"{p}.{norm}.bias", np.zeros(n_embd))
+            for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
+                t.linear(f"{p}.{proj}.weight", n_embd, n_embd)
+                t.normal(f"{p}.{proj}.bias", (n_embd,), 0.02)
+            # n_ff != n_embd, so the loader's fix-up for old files with swapped up/down does not apply.
+            t.linear(f"{p}.ffn_up.weight", n_ff, n_embd)
+            t.normal(f"{p}.ffn_up.bias", (n_ff,), 0.02)
+            t.linear(f"{p}.ffn_down.weight", n_embd, n_ff)
+            t.normal(f"{p}.ffn_down.bias", (n_embd,), 0.02)
+        t.linear("mm.0.weight", n_hidden, n_embd)
+        t.normal("mm.0.bias", (n_hidden,), 0.02)
+        # GELU roughly halves the variance: the gain brings the output back to RMS ~1, the scale of the tiny
+        # text models' (scaled) token embeddings.
+        t.linear("mm.2.weight", text_n_embd, n_hidden, gain=np.sqrt(2.0))
+        t.normal("mm.2.bias", (text_n_embd,), 0.02)
+
+        _write_out(writer)
+    finally:
+        writer.close()
+    return out
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def tiny_png(seed: int, width: int = MMPROJ_IMAGE_SIZE, height: int | None = None) -> bytes:
+    """A deterministic RGB PNG of random pixels (8 bits per channel), as file bytes.
+
+    Pixels are uniform in 0..255 from ``numpy.random.default_rng(seed)``: different seeds give images that differ
+    everywhere, the same seed the same bytes.  The default size is the tiny projector's input size, so mtmd does not
+    resize it.  Encoded with :mod:`zlib` only (no imaging library needed).
+
+    Args:
+        seed: seed for the pixels.
+        width: image width in pixels.
+        height: image height in pixels; defaults to ``width``.
+    """
+    height = width if height is None else height
+    if width < 1 or height < 1:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    # Each scanline starts with its filter type (0: none).
+    raw = b"".join(b"\x00" + row.tobytes() for row in pixels)
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, deflate, no interlace
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", header)
+        + _png_chunk(b"IDAT", zlib.compress(raw, 9))
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+def image_data_uri(png: bytes) -> str:
+    """A ``data:image/png;base64,...`` URI of PNG bytes, as chat requests carry images (``image_url.url``)."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
 def _main(argv: list[str] | None = None) -> None:
