@@ -5,7 +5,8 @@ by chunk. Here every store, index and file is keyed by arrays of token ids, so a
 written as ``n`` ids derived from a digest of its content (and of the projector that encodes it): negative numbers,
 which no vocabulary uses. Two prompts then share a prefix through an image exactly when they hold the same image
 at the same place, with every structure of the engine unchanged (radix index, cache entries, slot files, the shared
-tier). The engine never evaluates such an id as a token: only the media chunk itself fills those positions.
+tier; no format changes: the ids are int32 like any token's). The engine never evaluates such an id as a token: only
+the media chunk itself fills those positions.
 
 Each position's id is 31 bits of a hash of the digest and the position, so two different images agree on one
 position with probability 2**-31 and on a whole chunk never in practice; a prefix that ends inside an image is
@@ -51,14 +52,12 @@ def is_media(tokens: np.ndarray) -> np.ndarray:
     return np.asarray(tokens) < 0
 
 
-def media_start(tokens: np.ndarray, n_keep: int) -> int:
+def media_start(spans: list[tuple[int, int]], n_keep: int) -> int:
     """``n_keep``, moved back to the start of the media chunk it falls inside (a media chunk is evaluated whole).
 
-    A cut falls inside a chunk when the positions on both sides of it are media positions; chunks that follow each
-    other directly are not told apart here, which only ever moves a cut further back than needed.
+    :param spans: ``(start, end)`` of each media chunk of the prompt.
     """
-    tokens = np.asarray(tokens)
-    if not 0 < n_keep < len(tokens) or tokens[n_keep] >= 0 or tokens[n_keep - 1] >= 0:
-        return n_keep
-    text = np.flatnonzero(tokens[:n_keep] >= 0)
-    return int(text[-1]) + 1 if len(text) else 0
+    for start, end in spans:
+        if start < n_keep < end:
+            return start
+    return n_keep

@@ -234,7 +234,13 @@ class SlotController(SlotMemory):
         self.discard_opaque()
         decoding = time.perf_counter()
         decode()
-        self._evaluated(np.asarray(ids, dtype=np.int32), time.perf_counter() - decoding, prompt_end)
+        # Prompts often part right after an image (another question about it), and a chunk costs far more to
+        # encode than its positions suggest: its end is a branch point, where a checkpoint is wanted.
+        saved, self.branch_point = self.branch_point, self.slot.n_tokens + len(ids)
+        try:
+            self._evaluated(np.asarray(ids, dtype=np.int32), time.perf_counter() - decoding, prompt_end)
+        finally:
+            self.branch_point = saved
         self.pin_slot()
 
     def _evaluated(self, chunk: np.ndarray, seconds: float, prompt_end: int,

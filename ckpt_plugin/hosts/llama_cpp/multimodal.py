@@ -92,6 +92,7 @@ class MediaFlow:
         self._process = process
         self._process_media = process_media
         self.tokens: np.ndarray | None = None
+        self.spans: list[tuple[int, int]] = []
         self.cursor = 0
         self.kept: int | None = None
 
@@ -105,14 +106,15 @@ class MediaFlow:
     def armed(self) -> bool:
         return self.tokens is not None
 
-    def arm(self, tokens: np.ndarray) -> None:
-        """The handler is about to evaluate ``tokens`` (after its reset and memory clear, which is skipped)."""
-        self.tokens, self.cursor, self.kept = tokens, 0, None
+    def arm(self, tokens: np.ndarray, spans: list[tuple[int, int]]) -> None:
+        """The handler is about to evaluate ``tokens``, whose media chunks are at ``spans`` (after its reset and
+        memory clear, which are skipped)."""
+        self.tokens, self.spans, self.cursor, self.kept = tokens, spans, 0, None
         if self._watched is not None:
-            self._watched.skip_next_clear()
+            self._watched.skip_clears()
 
     def disarm(self) -> None:
-        self.tokens, self.cursor, self.kept = None, 0, None
+        self.tokens, self.spans, self.cursor, self.kept = None, [], 0, None
         if self._watched is not None:
             self._watched.cancel_skip()
 
@@ -126,9 +128,11 @@ class MediaFlow:
         assert tokens is not None
         if self.kept is not None:
             return
+        if self._watched is not None:
+            self._watched.cancel_skip()  # the handler's clears are behind: any later one is real
         # The last token is left to the completion that follows (fresh logits, as for any prompt).
         n_keep = self._prepare(tokens, len(tokens) - 1)
-        start = media_start(tokens, n_keep)
+        start = media_start(self.spans, n_keep)
         if start != n_keep:
             n_keep = self._prepare(tokens, start)
         self.kept = n_keep
@@ -185,11 +189,14 @@ class MediaFlow:
         self.cursor = end
 
 
-def media_prompt(mtmd: Any, mtmd_ctx: Any, chunks: Any) -> np.ndarray | None:
-    """The prompt of ``chunks`` in token ids, media chunks as their ids (``None`` where that is not exact)."""
+def media_prompt(mtmd: Any, mtmd_ctx: Any, chunks: Any) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+    """The prompt of ``chunks`` in token ids, media chunks as their ids, and where each media chunk is (``None``
+    where that is not exact)."""
     if mtmd.mtmd_decode_use_mrope(mtmd_ctx):
         return None
     parts: list[np.ndarray] = []
+    spans: list[tuple[int, int]] = []
+    position = 0
     last_is_text = False
     for index in range(int(mtmd.mtmd_input_chunks_size(chunks))):
         chunk = mtmd.mtmd_input_chunks_get(chunks, index)
@@ -202,6 +209,7 @@ def media_prompt(mtmd: Any, mtmd_ctx: Any, chunks: Any) -> np.ndarray | None:
             n = int(count.value)
             if n:
                 parts.append(np.ctypeslib.as_array(pointer, shape=(n,)).astype(np.int32))
+                position += n
                 last_is_text = True
             continue
         n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
@@ -209,10 +217,12 @@ def media_prompt(mtmd: Any, mtmd_ctx: Any, chunks: Any) -> np.ndarray | None:
         if not chunk_id or int(mtmd.mtmd_input_chunk_get_n_pos(chunk)) != n_tokens:
             return None
         parts.append(media_token_ids(chunk_id.decode("ascii", "replace"), n_tokens))
+        spans.append((position, position + n_tokens))
+        position += n_tokens
         last_is_text = False
     if not parts or not last_is_text:
         return None
-    return np.concatenate(parts)
+    return np.concatenate(parts), spans
 
 
 class MtmdRelay:
@@ -246,12 +256,12 @@ class MtmdRelay:
         if result != 0:
             flow.disarm()
             return result
-        tokens = media_prompt(self._module, mtmd_ctx, chunks) if flow.serves_media else None
-        if tokens is None:
+        prompt = media_prompt(self._module, mtmd_ctx, chunks) if flow.serves_media else None
+        if prompt is None:
             log.info("multimodal prompt left to the host: its media positions cannot be keyed one per token")
             flow.disarm()
         else:
-            flow.arm(tokens)
+            flow.arm(*prompt)
         return result
 
     def mtmd_helper_eval_chunk_single(self, mtmd_ctx: Any, lctx: Any, chunk: Any, n_past: Any, seq_id: Any,

@@ -69,7 +69,7 @@ class Watched:
     def __init__(self, seq_id: int) -> None:
         self.seq_id = seq_id
         self._from = NOTHING_CHANGED
-        self._suppress_clears = 0
+        self._skip_clears = False
         self._lock = threading.Lock()
 
     def wrote(self, position: int) -> None:
@@ -82,20 +82,20 @@ class Watched:
             position, self._from = self._from, NOTHING_CHANGED
         return position
 
-    def skip_next_clear(self) -> None:
-        """Let the next full clear of the memory from outside do nothing: the engine serves what follows it as a
-        new prompt (used for the clear a multimodal handler makes before every request)."""
+    def skip_clears(self) -> None:
+        """Let full clears of the memory from outside do nothing until :meth:`cancel_skip`: the engine serves what
+        follows them as a new prompt (used for the clears a multimodal handler makes before every request: its
+        ``Llama.reset()`` clears a recurrent memory, then it clears the memory itself)."""
         with self._lock:
-            self._suppress_clears = 1
+            self._skip_clears = True
 
     def cancel_skip(self) -> None:
         with self._lock:
-            self._suppress_clears = 0
+            self._skip_clears = False
 
-    def _take_clear_skip(self) -> bool:
+    def _skips_clear(self) -> bool:
         with self._lock:
-            skip, self._suppress_clears = self._suppress_clears > 0, 0
-        return skip
+            return self._skip_clears
 
     def touches(self, seq_id: int) -> bool:
         return seq_id < 0 or seq_id == self.seq_id
@@ -184,7 +184,7 @@ class OutsideWrites:
             watched = self._watched(self._by_memory, memory)
             if watched is None:
                 return original(memory, *rest)
-            if watched._take_clear_skip():
+            if watched._skips_clear():
                 return None
             result = original(memory, *rest)
             watched.wrote(0)

@@ -1,0 +1,170 @@
+"""llama-cpp-python's real multimodal chat handler on an attached ``Llama``, with a real (tiny, random-weight)
+vision projector that libmtmd loads: the same answers as the host alone, images keyed by content, and reused.
+
+The host's handler clears the memory and encodes every image of the conversation again on every request; with the
+plugin, an image already held by the memory, a checkpoint, the cache or a slot file is not encoded again. Each image
+encoding is counted where the handler calls libmtmd (``mtmd_helper_eval_chunk_single``).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Callable
+
+import httpx
+import pytest
+from llama_cpp.llama_chat_format import Llava15ChatHandler
+
+import ckpt_plugin
+from ckpt_plugin.hosts.llama_cpp.multimodal import MtmdRelay
+from ckpt_plugin.tiny_models import image_data_uri, tiny_png, write_tiny_mmproj
+from servers import model_args, run_server
+
+KINDS = ["llama", "gemma3", "hybrid"]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def mmproj(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return write_tiny_mmproj(tmp_path_factory.mktemp("mmproj") / "mmproj.gguf")
+
+
+class CountingMtmd:
+    """libmtmd's module with its media-chunk evaluations counted."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self.media_chunks = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def mtmd_helper_eval_chunk_single(self, *args: Any) -> int:
+        self.media_chunks += 1
+        return int(self._module.mtmd_helper_eval_chunk_single(*args))
+
+
+def vision(make_llama: Callable[..., Any], mmproj: pathlib.Path, kind: str, attached: bool) -> tuple[Any, CountingMtmd]:
+    handler = Llava15ChatHandler(clip_model_path=str(mmproj), verbose=False)
+    counting = CountingMtmd(handler._mtmd_cpp)
+    handler._mtmd_cpp = counting
+    llama = make_llama(kind, chat_handler=handler, n_ctx=512)
+    if attached:
+        ckpt_plugin.attach(llama)
+        assert isinstance(handler._mtmd_cpp, MtmdRelay)
+    return llama, counting
+
+
+def user(text: str, *image_seeds: int) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": image_data_uri(tiny_png(seed))}}
+                                     for seed in image_seeds]
+    content.append({"type": "text", "text": text})
+    return {"role": "user", "content": content}
+
+
+def reply(llama: Any, messages: list[dict[str, Any]]) -> str:
+    response = llama.create_chat_completion(messages=messages, temperature=0.0, repeat_penalty=1.0,
+                                            max_tokens=MAX_TOKENS)
+    return response["choices"][0]["message"]["content"] or ""
+
+
+def session(llama: Any) -> list[str]:
+    """A vision chat over two turns, the same question about another image, the first conversation again, a
+    text-only request, and two images in one message."""
+    answers: list[str] = []
+    first = [user("what is this?", 1)]
+    answers.append(reply(llama, first))
+    second = first + [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": "and the colour?"}]
+    answers.append(reply(llama, second))
+    answers.append(reply(llama, [user("what is this?", 2)]))
+    answers.append(reply(llama, second))
+    answers.append(reply(llama, [{"role": "user", "content": "what is this?"}]))
+    answers.append(reply(llama, [user("compare them", 1, 2)]))
+    return answers
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_answers_equal_the_host_alone_and_images_are_encoded_once(make_llama: Callable[..., Any],
+                                                                  mmproj: pathlib.Path, kind: str) -> None:
+    host, host_count = vision(make_llama, mmproj, kind, attached=False)
+    expected = session(host)
+    attached, count = vision(make_llama, mmproj, kind, attached=True)
+    assert session(attached) == expected
+    if kind != "llama":  # the tiny llama's greedy answers do not depend on these images (its logits do)
+        assert expected[0] != expected[2], "the two images must get different answers for the test to tell them apart"
+    # The host encodes every image of every request: 1, 1, 1, 1, 0, 2.
+    assert host_count.media_chunks == 6
+    # With the plugin: image 1 once (turn 2 and the first conversation again reuse it, from the memory and from the
+    # cache), image 2 once for its own request and once more after image 1 in the last one (another place, another
+    # state): the ideal.
+    assert count.media_chunks == 3
+    stats = ckpt_plugin.manager_of(attached).stats()
+    assert stats["stood_aside"] == 0
+
+
+def test_turn_two_evaluates_only_the_new_text(make_llama: Callable[..., Any], mmproj: pathlib.Path) -> None:
+    llama, count = vision(make_llama, mmproj, "gemma3", attached=True)
+    manager = ckpt_plugin.manager_of(llama)
+    first = [user("what is this?", 3)]
+    answer = reply(llama, first)
+    assert count.media_chunks == 1
+    evaluated = manager.stats()["tokens_evaluated"]
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and now?"}]
+    reply(llama, second)
+    assert count.media_chunks == 1
+    text_only = llama.tokenize(b"\nUSER: and now?\nASSISTANT: ", add_bos=False)
+    assert manager.stats()["tokens_evaluated"] - evaluated <= len(text_only) + len(llama.tokenize(
+        answer.encode(), add_bos=False)) + MAX_TOKENS + 2
+
+
+def test_an_image_survives_a_slot_file(make_llama: Callable[..., Any], mmproj: pathlib.Path,
+                                       tmp_path: pathlib.Path) -> None:
+    host, _ = vision(make_llama, mmproj, "hybrid", attached=False)
+    llama, count = vision(make_llama, mmproj, "hybrid", attached=True)
+    manager = ckpt_plugin.manager_of(llama)
+    first = [user("what is this?", 4)]
+    answer = reply(llama, first)
+    assert answer == reply(host, first)
+    manager.save_slot(tmp_path / "slot.bin")
+    manager.clear_cache()
+    reply(llama, [{"role": "user", "content": "something else entirely"}])
+    manager.restore_slot(tmp_path / "slot.bin")
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and now?"}]
+    assert reply(llama, second) == reply(host, second)
+    assert count.media_chunks == 1
+
+
+def test_vision_chat_through_ckpt_serve(tiny_model: Any, mmproj: pathlib.Path) -> None:
+    """Two tenants on one slot: an image-first request between two turns of another tenant, concurrent image
+    requests, a stream whose client leaves; each answer equal to llama_cpp.server's alone."""
+    import concurrent.futures
+
+    args = model_args(tiny_model("gemma3"), n_ctx=512) + ["--chat_format", "llava-1-5",
+                                                          "--clip_model_path", str(mmproj)]
+
+    def ask(server: Any, messages: list[dict[str, Any]], key: str = "a") -> str:
+        response = server.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                               json={"messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS,
+                                     "repeat_penalty": 1.0})
+        assert response.status_code == 200, response.text
+        return str(response.json()["choices"][0]["message"]["content"] or "")
+
+    text = [{"role": "user", "content": "tell me a story"}]
+    image_first = [user("", 5)]
+    requests = [text, image_first, text, [user("what is this?", 6)], [user("what is this?", 7)]]
+    with run_server(args, plain=True) as plain:
+        expected = [ask(plain, messages) for messages in requests]
+    with run_server(args + ["--namespaces", "api_key"]) as server:
+        assert ask(server, text, "a") == expected[0]
+        assert ask(server, image_first, "b") == expected[1]
+        assert ask(server, text, "a") == expected[2]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda m: ask(server, m, "c"), requests[3:] + [text]))
+        assert answers == expected[3:] + [expected[0]]
+        # A stream whose client leaves after its first chunk; the next request still answers as the host does.
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers={"Authorization": "Bearer d"},
+                          json={"messages": requests[3], "stream": True, "max_tokens": 64}, timeout=60) as stream:
+            for _ in stream.iter_lines():
+                break
+        assert ask(server, requests[4], "d") == expected[4]
+        assert server.metric("stood_aside") == 0
