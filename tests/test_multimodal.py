@@ -168,3 +168,42 @@ def test_vision_chat_through_ckpt_serve(tiny_model: Any, mmproj: pathlib.Path) -
                 break
         assert ask(server, requests[4], "d") == expected[4]
         assert server.metric("stood_aside") == 0
+
+
+@pytest.mark.gemma
+def test_gemma_vision_chat_answers_as_the_host_alone(gemma_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Gemma-3-270M with a random projector of its width (16 positions an image): two images, two turns.
+
+    Turn 2 evaluates only the new text with the plugin, where the host evaluates everything again: Q4_K_M kernels
+    give slightly batch-dependent logits (docs/correctness.md), so turn 2 is compared on its first token."""
+    from llama_cpp import Llama
+
+    projector = write_tiny_mmproj(tmp_path / "mmproj-640.gguf", text_n_embd=640, image_size=56)
+
+    def open_vision(attached: bool) -> tuple[Any, CountingMtmd]:
+        handler = Llava15ChatHandler(clip_model_path=str(projector), verbose=False)
+        counting = CountingMtmd(handler._mtmd_cpp)
+        handler._mtmd_cpp = counting
+        llama = Llama(str(gemma_path), n_ctx=2048, n_batch=512, n_threads=2, swa_full=False, verbose=False, seed=0,
+                      chat_handler=handler)
+        if attached:
+            ckpt_plugin.attach(llama)
+        return llama, counting
+
+    def flow(llama: Any) -> list[str]:
+        first = [user("Describe the picture.", 11)]
+        answer = reply(llama, first)
+        other = reply(llama, [user("Describe the picture.", 12)])
+        second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Which colours?"}]
+        response = llama.create_chat_completion(messages=second, temperature=0.0, max_tokens=1)
+        return [answer, other, response["choices"][0]["message"]["content"] or ""]
+
+    host, _ = open_vision(False)
+    expected = flow(host)
+    host.close()
+    attached, count = open_vision(True)
+    try:
+        assert flow(attached) == expected
+        assert count.media_chunks == 2  # turn 2 restores image 11 from the cache: not encoded again
+    finally:
+        attached.close()
