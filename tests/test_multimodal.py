@@ -207,3 +207,40 @@ def test_gemma_vision_chat_answers_as_the_host_alone(gemma_path: pathlib.Path, t
         assert count.media_chunks == 2  # turn 2 restores image 11 from the cache: not encoded again
     finally:
         attached.close()
+
+
+def test_an_image_moves_between_replicas_through_the_shared_tier(tiny_model: Any, mmproj: pathlib.Path,
+                                                                 tmp_path: pathlib.Path) -> None:
+    """Turn 1 on one replica, turn 2 on the other: the image's positions come from Redis, keyed by its content."""
+    import time
+
+    from redis_servers import run_redis
+
+    args = model_args(tiny_model("llama"), n_ctx=512, flash_attn="false") + [
+        "--chat_format", "llava-1-5", "--clip_model_path", str(mmproj)]
+    first = [user("what is this?", 8)]
+
+    def ask(server: Any, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        response = server.post("/v1/chat/completions", json={"messages": messages, "temperature": 0,
+                                                              "max_tokens": MAX_TOKENS, "repeat_penalty": 1.0})
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    with run_server(args, plain=True) as plain:
+        answer = ask(plain, first)["choices"][0]["message"]["content"]
+        second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and now?"}]
+        expected = ask(plain, second)
+    with run_redis(tmp_path) as redis:
+        # Plans by tokens: on a tiny model, whether a fetch pays depends on the machine's timing at that moment.
+        shared = ["--checkpoint-redis-url", redis.url, "--checkpoint-redis-prefix", "vision", "--plan-by-cost", "false"]
+        with run_server(args + shared) as a, run_server(args + shared) as b:
+            assert ask(a, first)["choices"][0]["message"]["content"] == answer
+            deadline = time.monotonic() + 15
+            while a.metric("shared_writes_total") < 1:
+                assert time.monotonic() < deadline, "no entry reached the shared tier"
+                time.sleep(0.05)
+            moved = ask(b, second)
+            assert moved["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+            # Everything up to the end of turn 1's prompt came from the tier, the image included.
+            assert moved["usage"]["prompt_tokens_details"]["cached_tokens"] >= expected["usage"]["prompt_tokens"] // 2
+            assert b.metric("shared_hits_total") == 1
