@@ -244,3 +244,24 @@ def test_an_image_moves_between_replicas_through_the_shared_tier(tiny_model: Any
             # Everything up to the end of turn 1's prompt came from the tier, the image included.
             assert moved["usage"]["prompt_tokens_details"]["cached_tokens"] >= expected["usage"]["prompt_tokens"] // 2
             assert b.metric("shared_hits_total") == 1
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "hybrid"])
+def test_a_llava_sized_image_past_the_window_and_the_batch(make_llama: Callable[..., Any], tmp_path: pathlib.Path,
+                                                           kind: str) -> None:
+    """576 positions an image (llava-1.5's grid): longer than the sliding window (32) and than a batch (512)."""
+    projector = write_tiny_mmproj(tmp_path / "mmproj-336.gguf", image_size=336)
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image_data_uri(tiny_png(9, width=336))}},
+        {"type": "text", "text": "Describe the picture."}]}]
+
+    def flow(attached: bool) -> tuple[str, str]:
+        handler = Llava15ChatHandler(clip_model_path=str(projector), verbose=False)
+        llama = make_llama(kind, chat_handler=handler, n_ctx=2048, n_batch=512, n_ubatch=512)
+        if attached:
+            ckpt_plugin.attach(llama)
+        first = reply(llama, messages)
+        return first, reply(llama, messages + [{"role": "assistant", "content": first},
+                                               {"role": "user", "content": "Which colours?"}])
+
+    assert flow(True) == flow(False)
