@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from llama_cpp.llama_chat_format import Llava15ChatHandler
 
 import ckpt_plugin
@@ -265,3 +267,30 @@ def test_a_llava_sized_image_past_the_window_and_the_batch(make_llama: Callable[
                                                {"role": "user", "content": "Which colours?"}])
 
     assert flow(True) == flow(False)
+
+
+WORDS = ["what", "is", "this", "the", "cat", "colour", "and", "now", "left", "right", "picture", "again"]
+_turn = st.tuples(st.lists(st.integers(20, 24), max_size=2), st.lists(st.sampled_from(WORDS), min_size=1, max_size=5))
+_conversation = st.lists(_turn, min_size=1, max_size=3)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "mamba", "hybrid"])
+def test_random_vision_conversations_answer_as_the_host_alone(make_llama: Callable[..., Any],
+                                                              mmproj: pathlib.Path, kind: str) -> None:
+    """Random conversations over a few images (0-2 an turn, from 5), edits and branches among them (a later
+    request may keep, cut or change any earlier turn), on an attached ``Llama`` and on the host alone."""
+    host, _ = vision(make_llama, mmproj, kind, attached=False)
+    attached, _ = vision(make_llama, mmproj, kind, attached=True)
+
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(requests=st.lists(_conversation, min_size=2, max_size=4))
+    def check(requests: list[list[tuple[list[int], list[str]]]]) -> None:
+        for turns in requests:
+            messages: list[dict[str, Any]] = []
+            for index, (seeds, words) in enumerate(turns):
+                if index:
+                    messages.append({"role": "assistant", "content": " ".join(words[:2])})
+                messages.append(user(" ".join(words), *seeds))
+            assert reply(attached, messages) == reply(host, messages)
+
+    check()
