@@ -236,8 +236,13 @@ class ServeSettings(CheckpointSettings):
         5.0, ge=0, description="Seconds ckpt-serve waits for requests in flight on SIGTERM before closing them."
     )
     request_timeout: float | None = Field(
-        600.0, gt=0, description="Seconds a completion may generate before it is stopped (finish_reason 'length'); "
-        "None for no limit.",
+        600.0, gt=0, description="Seconds a completion may run, its prompt's evaluation included, before it is "
+        "stopped (finish_reason 'length'); None for no limit.",
+    )
+    grammar_max_step_seconds: float | None = Field(
+        1.0, gt=0, description="Grammars and JSON schemas whose one sampling step over the model's vocabulary takes "
+        "longer (timed in the grammar check's child process) are refused (422): the host pays that step for every "
+        "token it generates. None for no limit.",
     )
     request_max_tokens: int | None = Field(
         None, ge=1, description="Tokens a completion may generate at most, whatever its max_tokens asks "

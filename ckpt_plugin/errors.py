@@ -67,6 +67,10 @@ class EmptySlotError(CheckpointError):
     """The slot holds no state of the caller's namespace to save."""
 
 
+class SlotBusyError(CheckpointError):
+    """A generation still used a slot when an action on it had waited as long as it may; nothing changed."""
+
+
 class PluginError(CheckpointError):
     """A plugin's hook implementation raised; the slot is left consistent.
 

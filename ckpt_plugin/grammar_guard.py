@@ -2,18 +2,23 @@
 
 The same child answers vocabulary sizes of models the server has not loaded (token ids are checked against them).
 
-llama.cpp's grammar compiler is what crashes on hostile input: a grammar it cannot parse leaves llama-cpp-python
-with a null sampler (segfault when sampling), and a deeply nested one overflows the compiler's stack inside the
-parse itself. The host compiles every grammar in the server process. :class:`GrammarGuard` compiles each one first in
-a child process that holds only the vocabulary: a grammar the child refuses, or that crashes or stalls it, is refused
-with a 422 and never reaches the host; the child is started again for the next one. Verdicts are remembered by digest
-(clients resend the same schema with every request), so a repeated grammar costs a dictionary lookup.
+llama.cpp's grammar code is what crashes on hostile input: a grammar it cannot parse leaves llama-cpp-python with a
+null sampler (segfault when sampling), a deeply nested one overflows the compiler's stack inside the parse itself,
+and one that compiles but matches nothing somewhere (``root ::= [z-a]``) makes the sampler throw, which aborts the
+process. The host compiles and samples with every grammar in the server process. :class:`GrammarGuard` compiles each
+one first in a child process that holds only the vocabulary, and samples with it there over the whole vocabulary for
+a few steps, timing each (a step's cost grows with the grammar's alternatives times the vocabulary, and the host pays
+it for every token): a grammar the child refuses, that crashes or stalls it, or whose step takes longer than
+``step_budget``, is refused with a 422 and never reaches the host; the child is started again for the next one.
+Verdicts are remembered by digest (clients resend the same schema with every request), so a repeated grammar costs a
+dictionary lookup.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import pickle
 import select
 import struct
@@ -27,8 +32,9 @@ from .request_checks import GrammarSource
 
 log = logging.getLogger("ckpt_plugin")
 
-CRASHED = "compiling it crashed llama.cpp's grammar parser (is it nested too deeply?)"
-TIMED_OUT = "compiling it took longer than {seconds:g} s"
+CRASHED = ("compiling or sampling with it crashed llama.cpp's grammar code (nested too deeply, or a point where no "
+           "token can follow)")
+TIMED_OUT = "compiling and sampling with it took longer than {seconds:g} s"
 _LENGTH = struct.Struct("<Q")
 # The answers go to a copy of stdout; stdout itself goes to stderr, where whatever llama.cpp prints belongs.
 _CHILD = ("import os, sys; answers = os.fdopen(os.dup(1), 'wb', buffering=0); os.dup2(2, 1); "
@@ -58,18 +64,18 @@ def _read(stream: IO[bytes]) -> Any:
 
 
 def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
-    """The child's loop: compile what the parent sends, answer with the problem (or ``None``); or a vocabulary size
-    when no grammar is sent."""
-    from .hosts.llama_cpp.context import grammar_problem_in_worker, vocab_size_in_worker
+    """The child's loop: compile what the parent sends, answer with the problem (or ``None``); or the vocabulary's
+    size and longest token (in bytes) when no grammar is sent."""
+    from .hosts.llama_cpp.context import grammar_problem_in_worker, vocab_facts_in_worker
 
     while True:
         try:
-            model_path, text, is_schema = _read(requests)
+            model_path, text, is_schema, step_budget = _read(requests)
         except EOFError:
             return
         try:
-            answer: Any = (vocab_size_in_worker(model_path) if text is None
-                           else grammar_problem_in_worker(model_path, text, is_schema))
+            answer: Any = (vocab_facts_in_worker(model_path) if text is None
+                           else grammar_problem_in_worker(model_path, text, is_schema, step_budget))
         except Exception as exc:  # a model that cannot be read: reported, not a verdict on the grammar
             answer = OSError(str(exc))
         try:
@@ -83,14 +89,17 @@ class GrammarGuard:
 
     :param timeout: Seconds a compilation may take before the grammar is refused and the child replaced.
     :param remembered: Verdicts kept (least recently used go first).
+    :param step_budget: The most seconds one sampling step with a grammar may take over the model's vocabulary
+        (``None``: no limit).
     """
 
-    def __init__(self, timeout: float = 10.0, remembered: int = 1024) -> None:
+    def __init__(self, timeout: float = 10.0, remembered: int = 1024, step_budget: float | None = None) -> None:
         self.timeout = timeout
         self.remembered = remembered
+        self.step_budget = step_budget
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
         self._lock = threading.Lock()  # one compilation at a time: the child answers in order
-        self._vocab_sizes: dict[str, int] = {}
+        self._vocab_facts: dict[str, tuple[int, int]] = {}
         self._process: subprocess.Popen[bytes] | None = None
         self.crashes = 0
 
@@ -116,14 +125,25 @@ class GrammarGuard:
 
         :raises OSError: The child cannot read the model.
         """
+        return self._facts(model_path)[0]
+
+    def longest_token_bytes(self, model_path: str) -> int:
+        """The most bytes of text one token of the model at ``model_path`` stands for, read by the child (remembered
+        per path): a text of ``n`` bytes is at least ``n / longest_token_bytes`` tokens.
+
+        :raises OSError: The child cannot read the model.
+        """
+        return self._facts(model_path)[1]
+
+    def _facts(self, model_path: str) -> tuple[int, int]:
         with self._lock:
-            size = self._vocab_sizes.get(model_path)
-            if size is None:
+            facts = self._vocab_facts.get(model_path)
+            if facts is None:
                 answer = self._ask(model_path, None, False)
-                if not isinstance(answer, int):
+                if not isinstance(answer, tuple):
                     raise OSError(f"could not read the vocabulary of {model_path}: {answer}")
-                size = self._vocab_sizes[model_path] = answer
-            return size
+                facts = self._vocab_facts[model_path] = answer
+            return facts
 
     def _compile(self, model_path: str, source: GrammarSource) -> str | None:
         return self._ask(model_path, source.text, source.is_schema)  # type: ignore[no-any-return]
@@ -132,7 +152,7 @@ class GrammarGuard:
         child = self._child()
         assert child.stdin is not None and child.stdout is not None
         try:
-            _write(child.stdin, (model_path, text, is_schema))
+            _write(child.stdin, (model_path, text, is_schema, self.step_budget))
             ready, _, _ = select.select([child.stdout], [], [], self.timeout)
             if not ready:
                 self._stop()
@@ -154,9 +174,10 @@ class GrammarGuard:
         self._stop()
         # A fresh interpreter, not multiprocessing: spawn and forkserver import the host program's main module in
         # the child, and a fork would copy the model and the server's threads.
+        # No backtrace on an abort: ggml runs gdb for one, seconds during which the child answers nothing.
         self._process = subprocess.Popen(
             [sys.executable, "-c", _CHILD],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env={**os.environ, "GGML_NO_BACKTRACE": "1"},
         )
         return self._process
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,6 +25,7 @@ from .checkpoint import Checkpoint
 from .config import CheckpointSettings
 from .default_plugin import DEFAULT_PLUGIN_NAME, DefaultPlugin
 from .disk_tier import DiskTier
+from .errors import SlotBusyError
 from .hook_relay import HookRelay, ProjectPlugins
 from .hooks import PROJECT_NAME
 from .policy import Plan
@@ -41,6 +43,9 @@ from .tiers import Tier
 __all__ = ["Backend", "CheckpointManager", "Counters", "DEFAULT_PLUGIN_NAME", "DefaultPlugin", "Slot"]
 
 log = logging.getLogger("ckpt_plugin")
+
+_IDLE_POLL_SECONDS = 0.02
+"""How often a deletion waiting for a busy slot looks again (a generation marks no event when it ends)."""
 
 
 class CheckpointManager:
@@ -88,6 +93,7 @@ class CheckpointManager:
         self.plugins.register(DefaultPlugin(), name=DEFAULT_PLUGIN_NAME)
         self.hooks = HookRelay(self.plugins, self)
         self.captures = Captures(self.kind, backend.fingerprint, self.store, self.counters, self.hooks)
+        self._clearing = threading.Lock()  # one clear_cache at a time (see there)
         self.slots = [
             SlotController(slot_id, slot_backend, self.settings, self.rules, self.store, self.counters, self.hooks,
                            self.captures)
@@ -224,27 +230,70 @@ class CheckpointManager:
         """
         return self.store.admit(entry, write_through)
 
-    def clear_cache(self, namespace: str | None = None) -> Cleared:
+    def clear_cache(self, namespace: str | None = None, wait: float | None = None) -> Cleared:
         """Forget ``namespace``'s state (everyone's, for ``None``) in every tier the plugin owns: the RAM cache,
-        the disk tier's files, the shared tier's partition of this model, and the live slot if it holds that state.
+        the disk tier's files, the shared tier's partition of this model, and the live slots that hold that state.
 
-        Holds every slot's lock throughout (requests using the slots finish first), so that no request of the
-        tenant can restore from a tier between two of the deletions.
+        A generation using one of those slots finishes first: emptied under a live stream, a slot would make the
+        stream evaluate its whole context again at its next token (and reply from another evaluation). While it
+        waits, the slots already found idle are held, so that no generation starts on them, nor restores what is
+        about to be deleted, and a busy server cannot keep the deletion waiting for ever. Then every slot's lock is
+        held throughout the deletions, so that no request of the tenant can restore from a tier between two of them.
 
+        :param wait: The most seconds to wait for those generations (``None``: as long as they take).
         :return: The entries deleted over every tier, an ``int`` (:class:`~ckpt_plugin.counters.Cleared`) whose
             ``tiers`` has the count per tier and how many slots were emptied.
+        :raises SlotBusyError: A generation still used one of the slots after ``wait`` seconds; nothing was deleted.
         """
-        with contextlib.ExitStack() as held:
-            emptied = 0
-            for controller in self.slots:  # every slot's lock, in slot order: no request is mid-way anywhere
-                held.enter_context(controller.lock)
-                slot = controller.slot
-                if namespace is None or slot.namespace == namespace:
-                    controller.reconcile()
-                    emptied += int(slot.n_tokens > 0 or bool(slot.checkpoints))
-                    controller.clear_slot()
-            tiers = self.store.forget(namespace, self.fingerprint)
-        return Cleared({**tiers, "slot": emptied})
+        deadline = None if wait is None else time.monotonic() + wait
+
+        def in_scope(controller: SlotController) -> bool:
+            return namespace is None or controller.slot.namespace == namespace
+
+        with self._clearing:
+            while True:
+                with contextlib.ExitStack() as held:
+                    # The slots to empty first, each once idle, then the others (only this method holds several
+                    # slots' locks at once, one call at a time: no other order to deadlock with).
+                    mine = [c for c in self.slots if in_scope(c)]
+                    for controller in mine:
+                        self._hold_when_idle(controller, namespace, deadline, held)
+                    for controller in self.slots:
+                        if controller not in mine:
+                            held.enter_context(controller.lock)
+                    if any(c.busy and in_scope(c) for c in self.slots):
+                        continue  # a generation of the tenant started on another slot meanwhile: wait for it too
+                    emptied = 0
+                    for controller in self.slots:
+                        if in_scope(controller):
+                            controller.reconcile()
+                            emptied += int(controller.slot.n_tokens > 0 or bool(controller.slot.checkpoints))
+                            controller.clear_slot()
+                    tiers = self.store.forget(namespace, self.fingerprint)
+                    return Cleared({**tiers, "slot": emptied})
+
+    @staticmethod
+    def _hold_when_idle(controller: SlotController, namespace: str | None, deadline: float | None,
+                        held: contextlib.ExitStack) -> None:
+        """Hold ``controller``'s lock once no generation of ``namespace`` uses the slot (any, for ``None``).
+
+        A generation takes the slot's lock only between its tokens, and marks the slot busy from its prepare to its
+        end: the lock held with the slot not busy (or busy for another tenant) means no generation of the tenant
+        is under way there, and none can start.
+
+        :raises SlotBusyError: Still in use at ``deadline``.
+        """
+        while True:
+            controller.lock.acquire()
+            slot = controller.slot
+            if not (controller.busy and (namespace is None or slot.namespace == namespace)):
+                held.callback(controller.lock.release)
+                return
+            controller.lock.release()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise SlotBusyError(f"slot {slot.id} was still generating when the deletion had waited as long as it "
+                                    "may; nothing was deleted: retry")
+            time.sleep(_IDLE_POLL_SECONDS)
 
     def resize_cache(self, max_bytes: int) -> None:
         """Change the prompt cache's byte budget (validated like ``cache_max_bytes``), evicting to fit."""

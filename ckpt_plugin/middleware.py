@@ -126,7 +126,10 @@ class CheckpointMiddleware:
         self, scope: Scope, receive: Receive, send: Send, guard: RouteGuard, request_scope: RequestScope
     ) -> None:
         try:
-            check_content_type(Headers(scope=scope).get("content-type"))
+            content_type = Headers(scope=scope).get("content-type")
+            check_content_type(content_type)
+            if not content_type:
+                scope = _json_content_type(scope)
             body = await read_body(receive, self.settings.max_body_bytes)
             payload = await _off_loop_if_large(len(body), parse_json_object, body)
             answer = await run_in_threadpool(_check_and_answer, guard, payload)
@@ -186,6 +189,14 @@ class CheckpointMiddleware:
         for name, manager in self.managers().items():
             if manager.plugins.get_plugin("ckpt_plugin.metrics") is None:
                 self.metrics.watch(name, manager)
+
+
+def _json_content_type(scope: Scope) -> Scope:
+    """``scope`` with ``Content-Type: application/json`` in place of a missing or empty one: the body is taken as
+    JSON here, and the host parses a body by its declared type (FastAPI hands a body without one to pydantic as
+    bytes, a 500)."""
+    headers = [(name, value) for name, value in scope["headers"] if name.lower() != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 
 
 def _check_and_answer(guard: RouteGuard, payload: dict[str, Any]) -> Any | None:

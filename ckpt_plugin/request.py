@@ -39,11 +39,24 @@ class RequestScope:
 
     def should_stop(self, generated: int) -> bool:
         """Whether a generation that produced ``generated`` tokens must stop before the next one."""
-        return (
-            self.cancelled.is_set()
-            or (self.max_new_tokens is not None and generated >= self.max_new_tokens)
-            or (self.deadline is not None and time.monotonic() >= self.deadline)
-        )
+        return self.interrupted() or (self.max_new_tokens is not None and generated >= self.max_new_tokens)
+
+    def interrupted(self) -> bool:
+        """Whether the request's client left or its time is up: no more of its tokens, prompt or generated, are
+        evaluated (checked between two chunks of a prompt)."""
+        return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+
+class RequestInterrupted(Exception):
+    """A prompt's evaluation stopped between two chunks because its request was interrupted
+    (:meth:`RequestScope.interrupted`); the generation ends without a token, as if ``max_tokens`` was reached.
+
+    :param evaluated: Tokens of the evaluation that were decoded before it stopped (the memory holds them).
+    """
+
+    def __init__(self, evaluated: int) -> None:
+        super().__init__(f"the request was interrupted after {evaluated} tokens of its evaluation")
+        self.evaluated = evaluated
 
 
 current_request: ContextVar[RequestScope | None] = ContextVar("ckpt_plugin_request", default=None)

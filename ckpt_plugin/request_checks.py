@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -132,6 +133,47 @@ def _int_or_none(text: Any) -> int | None:
     return int(text)
 
 
+PROMPT_BYTES_PER_TOKEN_FACTOR = 2
+"""How many times the longest token's text a token may cover on average before a prompt is refused unread: a margin
+for tokenizers that normalize the text (a token's text is otherwise at least as long as what it covers)."""
+
+
+def prompt_text_bytes(payload: Mapping[str, Any]) -> int:
+    """UTF-8 bytes of the text a request's prompt is made of: a completion's ``prompt`` string (or one-string list),
+    a chat's message contents (strings and text parts, before the chat template adds its own)."""
+    texts: list[str] = []
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        texts.append(prompt)
+    elif isinstance(prompt, list):
+        texts.extend(item for item in prompt if isinstance(item, str))
+    messages = payload.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(part["text"] for part in content
+                         if isinstance(part, Mapping) and isinstance(part.get("text"), str))
+    return sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+
+
+def check_prompt_fits(n_bytes: int, n_ctx: int, longest_token_bytes: int) -> None:
+    """Refuse a prompt of ``n_bytes`` bytes of text that cannot fit ``n_ctx`` tokens, before it is tokenized: no token
+    stands for more than ``longest_token_bytes`` bytes (the host tokenized a 20 MB prompt for 32 s, holding a place
+    in the queue, before refusing it).
+
+    :raises RequestRejected: 400 ``context_length_exceeded`` past ``n_ctx * longest_token_bytes *``
+        :data:`PROMPT_BYTES_PER_TOKEN_FACTOR` bytes.
+    """
+    limit = n_ctx * longest_token_bytes * PROMPT_BYTES_PER_TOKEN_FACTOR
+    if n_bytes > limit:
+        raise RequestRejected(400, "context_length_exceeded",
+                              f"the prompt is {n_bytes} bytes of text, far more than this model's context of {n_ctx} "
+                              f"tokens can hold (no token stands for more than {longest_token_bytes} bytes; prompts "
+                              f"over {limit} bytes are refused before they are tokenized)")
+
+
 @dataclass(frozen=True)
 class GrammarSource:
     """A grammar the host will compile for a request.
@@ -146,10 +188,39 @@ class GrammarSource:
     field: str
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+"""Control characters other than tab, line feed and carriage return."""
+
+
+def check_no_control_characters(value: Any, field: str) -> None:
+    """No string in ``value`` (keys included) holds a control character other than tab, line feed and carriage
+    return.
+
+    A grammar reaches llama.cpp as a C string, which a NUL ends: the host compiles what comes before it. Through a
+    JSON schema, a NUL or another control character in a property name, an ``enum`` or ``const`` value becomes a
+    character the grammar requires that no token holds, and llama.cpp's sampler aborts the process when it gets
+    there.
+
+    :raises RequestRejected: 422 ``invalid_grammar`` naming the field and the character.
+    """
+    for text in _strings(value):
+        found = _CONTROL.search(text)
+        if found is not None:
+            raise RequestRejected(422, "invalid_grammar",
+                                  f"{field}: holds the control character U+{ord(found.group()):04X}, which a grammar "
+                                  "cannot carry to llama.cpp (only tab, line feed and carriage return are allowed)")
+
+
 def completion_grammars(payload: Mapping[str, Any]) -> list[GrammarSource]:
-    """The grammars a completion request makes the host compile (``grammar``)."""
+    """The grammars a completion request makes the host compile (``grammar``).
+
+    :raises RequestRejected: 422 for control characters in it (:func:`check_no_control_characters`).
+    """
     grammar = payload.get("grammar")
-    return [GrammarSource(grammar, False, "grammar")] if isinstance(grammar, str) else []
+    if not isinstance(grammar, str):
+        return []
+    check_no_control_characters(grammar, "grammar")
+    return [GrammarSource(grammar, False, "grammar")]
 
 
 def chat_grammars(payload: Mapping[str, Any]) -> list[GrammarSource]:
@@ -157,14 +228,20 @@ def chat_grammars(payload: Mapping[str, Any]) -> list[GrammarSource]:
     schema, and the parameters schema of the tool ``tool_choice`` (or legacy ``function_call``) names.
 
     :raises RequestRejected: 422 when ``tool_choice`` names a tool the request does not define (the host raises
-        inside the model call: a 500).
+        inside the model call: a 500), or for control characters in any of these or in any tool's parameters
+        (:func:`check_no_control_characters`: chat formats with function calling compile every tool's).
     """
     sources = completion_grammars(payload)
     response_format = payload.get("response_format")
     if isinstance(response_format, Mapping) and response_format.get("type") == "json_object" \
             and "schema" in response_format:
+        check_no_control_characters(response_format["schema"], "response_format.schema")
         sources.append(GrammarSource(json.dumps(response_format["schema"]), True, "response_format.schema"))
     tools = _tools(payload)
+    for index, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        if isinstance(function, Mapping):
+            check_no_control_characters(function.get("parameters"), f"tools[{index}].function.parameters")
     chosen = _chosen_tool(payload)
     if chosen is not None and tools is not None:
         tool = next((t for t in tools if _function_name(t) == chosen), None)

@@ -1,7 +1,9 @@
 """The routes the checkpoint middleware answers itself: admin API, Prometheus metrics and llama.cpp's slot files.
 
 - ``GET /checkpoints``: slots, checkpoints and cache entries per model, of the caller's namespace (every namespace
-  for the operator key, or when namespaces are off); ``DELETE /checkpoints`` drops those cache entries. Admin only.
+  for the operator key, or when namespaces are off); ``DELETE /checkpoints`` drops those cache entries and live slots,
+  once the generations using those slots have finished (409 if one still runs after ``request_timeout``). Admin
+  only.
 - ``GET /checkpoints/stats``: ``manager.stats()`` per model (aggregates over tenants: with namespaces on, only for
   the operator key). Admin only.
 - ``GET /metrics``: Prometheus text.
@@ -39,6 +41,7 @@ from .errors import (
     ForeignNamespaceError,
     IncompatibleStateError,
     OpaqueMemoryError,
+    SlotBusyError,
     SlotFileNotFoundError,
     StateRestoreError,
     UnsafePathError,
@@ -80,6 +83,7 @@ _STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
     (ForeignNamespaceError, 403, "forbidden"),
     (EmptySlotError, 409, "slot_empty"),
     (OpaqueMemoryError, 409, "slot_not_saveable"),
+    (SlotBusyError, 409, "slot_busy"),
     (StateRestoreError, 409, "restore_failed"),
     (CheckpointError, 400, "invalid_request"),
 )
@@ -208,8 +212,10 @@ class CheckpointRoutes:
             views = await run_in_threadpool(lambda: {name: m.describe(namespace) for name, m in managers.items()})
             return JSONResponse({"models": views})
         else:  # DELETE (the only other method the route takes)
+            # Generations using the slots it empties finish first; none runs longer than request_timeout.
+            wait = self.settings.request_timeout
             cleared = await run_in_threadpool(
-                lambda: Cleared.combine(m.clear_cache(namespace) for m in unique_managers(managers))
+                lambda: Cleared.combine(m.clear_cache(namespace, wait) for m in unique_managers(managers))
             )
             return JSONResponse(cleared.as_json())
 

@@ -25,7 +25,7 @@ from .costs import PlanClock
 from .errors import StateRestoreError
 from .policy import LiveMemory, Plan, plan_prompt, swa_threshold
 from .schedule import branch_point, pause_points
-from .request import current_request
+from .request import RequestInterrupted, current_request
 from .slot_memory import SlotMemory
 from .tiers import Tier
 
@@ -201,6 +201,8 @@ class SlotController(SlotMemory):
         :param tokens: Tokens to evaluate.
         :param prompt_end: Length of the prompt these tokens belong to; tokens past it are generated tokens and get
             no checkpoints. Defaults to the end of ``tokens``.
+        :raises RequestInterrupted: The request being served was interrupted between two batches (its client left,
+            its time is up); the slot holds the tokens evaluated before.
         """
         tokens = np.asarray(tokens, dtype=np.int32)
         if len(tokens) and int(tokens.min()) < 0:
@@ -220,7 +222,14 @@ class SlotController(SlotMemory):
                 continue
             chunk = tokens[a - start : b - start]
             decoding = time.perf_counter()
-            self.backend.decode(chunk)
+            try:
+                self.backend.decode(chunk)
+            except RequestInterrupted as exc:
+                # The request stopped between two batches of the chunk: the slot records what the memory holds.
+                if exc.evaluated:
+                    self._evaluated(chunk[: exc.evaluated], time.perf_counter() - decoding, prompt_end)
+                self.pin_slot()
+                raise
             self._evaluated(chunk, time.perf_counter() - decoding, prompt_end,
                             next_token=(b, int(tokens[b - start])) if b == branch and b < end else None)
         if start < branch <= end:

@@ -63,6 +63,77 @@ def test_grammars_llama_cpp_cannot_compile_are_refused_on_every_completion_route
     alive_and_answering(server)
 
 
+EMPTY_LANGUAGE = ["root ::= [z-a]", 'root ::= "a" [z-a]', 'root ::= "ab" "cd" x\nx ::= [\\x00]',
+                  'root ::= "{" [z-a] | "}" [b-a]']
+
+
+@pytest.mark.parametrize("route", COMPLETION_ROUTES)
+@pytest.mark.parametrize("grammar", EMPTY_LANGUAGE)
+def test_grammars_that_compile_but_match_nothing_are_refused(server: Any, route: str, grammar: str) -> None:
+    # llama.cpp compiles them; its sampler then leaves no token and aborts the whole server when one is accepted.
+    error = refused(server.post(route, json={"prompt": "hi", "max_tokens": 8, "grammar": grammar}), 422,
+                    "invalid_grammar")
+    assert "no token" in error["message"], error
+    alive_and_answering(server)
+
+
+def test_a_chat_grammar_that_matches_nothing_is_refused(server: Any) -> None:
+    refused(server.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "grammar": "root ::= [z-a]"}),
+        422, "invalid_grammar")
+    alive_and_answering(server)
+
+
+NUL_SCHEMAS = [
+    {"type": "object", "properties": {"\u0000": {"type": "string"}}, "required": ["\u0000"]},
+    {"type": "object", "properties": {"a": {"enum": ["x\u0000y", "z"]}}, "required": ["a"]},
+    {"enum": ["\u0001"]},
+    {"const": "a\u001fb"},
+]
+
+
+@pytest.mark.parametrize("schema", NUL_SCHEMAS, ids=["key", "enum", "enum-control", "const-control"])
+def test_control_characters_in_schemas_are_refused_wherever_they_come_from(server: Any, schema: Any) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    bodies = [
+        {"response_format": {"type": "json_object", "schema": schema}},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+         "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        # a tool the request does not choose: function-calling chat formats compile every tool's schema
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]},
+        {"functions": [{"name": "f", "parameters": schema}], "function_call": {"name": "f"}},
+    ]
+    for extra in bodies:
+        error = refused(server.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, **extra}),
+                        422, "invalid_grammar")
+        assert "control character" in error["message"], error
+    for route in COMPLETION_ROUTES:
+        refused(server.post(route, json={"prompt": "hi", "max_tokens": 8, "grammar": 'root ::= "a\u0000b"'}),
+                422, "invalid_grammar")
+    alive_and_answering(server)
+
+
+@pytest.mark.parametrize("headers", [{}, {"content-type": ""}], ids=["missing", "empty"])
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "the cat", "max_tokens": 2}),
+    ("/v1/engines/copilot-codex/completions", {"prompt": "the cat", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/extras/tokenize", {"input": "hello"}),
+    ("/extras/tokenize/count", {"input": "hello"}),
+    ("/extras/detokenize", {"tokens": [5, 6]}),
+    ("/v1/embeddings", {"input": "hello"}),
+])
+def test_a_body_without_a_content_type_is_json(server: Any, route: str, body: dict[str, Any],
+                                               headers: dict[str, str]) -> None:
+    # What requests.post(url, data=json_text) sends: the host took the body as bytes and answered 500.
+    response = httpx.post(f"{server.url}{route}", content=json.dumps(body).encode(), headers=headers, timeout=BOUND)
+    if route == "/v1/embeddings":
+        refused(response, 400, "embeddings_disabled")  # read as JSON: the model computes no embeddings
+    else:
+        assert response.status_code == 200, response.text
+    assert server.process.poll() is None
+
+
 def test_a_grammar_that_compiles_is_used(server: Any) -> None:
     reply = server.post("/v1/engines/copilot-codex/completions",
                         json={"prompt": "hi", "max_tokens": 4, "temperature": 0, "grammar": 'root ::= "a"+'})

@@ -42,7 +42,7 @@ def create_app(
         host.LlamaProxy = original  # type: ignore[misc]
     proxy: CheckpointLlamaProxy = host_compat.server_llama_proxy(host)
     app.state.llama_proxy = proxy
-    grammars = GrammarGuard()
+    grammars = GrammarGuard(step_budget=settings.grammar_max_step_seconds)
     app.state.grammar_guard = grammars
     admission = None
     if settings.parallel > 1:

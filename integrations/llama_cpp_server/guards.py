@@ -1,8 +1,9 @@
 """Route guards for every route ``llama_cpp.server`` serves, chosen by the route's endpoint (not its path).
 
 Each guard validates the body against the host's own request model, then checks what only the model can tell:
-token ids against the vocabulary, ``logit_bias`` keys, grammars (compiled first in a child process by
-:class:`~ckpt_plugin.grammar_guard.GrammarGuard`), and whether the model computes embeddings. The tokenizer routes
+token ids against the vocabulary, ``logit_bias`` keys, grammars (compiled and sampled with first in a child process
+by :class:`~ckpt_plugin.grammar_guard.GrammarGuard`), whether the model computes embeddings, and whether a prompt's
+text is too long for the context whatever its tokens (refused before it is tokenized). The tokenizer routes
 are answered here, in a worker thread: the host tokenizes on the event loop, where a 20 MB body held every other
 request for seconds.
 
@@ -36,8 +37,10 @@ from ckpt_plugin.request_checks import (
     chat_grammars,
     check_logit_bias,
     check_numbers_given,
+    check_prompt_fits,
     check_token_ids,
     completion_grammars,
+    prompt_text_bytes,
 )
 from ckpt_plugin.route_guard import RouteGuard
 
@@ -87,12 +90,15 @@ class ModelView:
     :ivar embeddings: Whether it was loaded to compute embeddings.
     :ivar llama: The loaded ``Llama`` when it is the one the server holds now (``None``: not loaded).
     :ivar only_model: The server has no other model, so the loaded one cannot be switched away meanwhile.
+    :ivar n_ctx: The most tokens a request's prompt and reply hold (a slot's, with parallel slots; 0: unknown until
+        the model loads).
     """
 
     model_path: str
     embeddings: bool
     llama: Any
     only_model: bool
+    n_ctx: int = 0
 
 
 class ModelViews:
@@ -109,8 +115,9 @@ class ModelViews:
         alias = host_compat.proxy_model_alias(proxy, name if isinstance(name, str) else None)
         settings = host_compat.proxy_model_settings(proxy, alias)
         loaded = host_compat.proxy_current_model(proxy) if host_compat.proxy_current_alias(proxy) == alias else None
+        n_ctx = int(loaded.n_ctx()) if loaded is not None else int(settings.n_ctx or 0)
         return ModelView(model_path=settings.model, embeddings=bool(settings.embedding), llama=loaded,
-                         only_model=len(list(proxy)) == 1)
+                         only_model=len(list(proxy)) == 1, n_ctx=n_ctx)
 
 
 class HostRouteGuard:
@@ -151,6 +158,9 @@ class HostRouteGuard:
 
     def _check_generation(self, payload: dict[str, Any], model: ModelView, grammars: Iterable[GrammarSource]) -> None:
         check_numbers_given(payload, _SAMPLER_NUMBERS)
+        n_bytes = prompt_text_bytes(payload)
+        if model.n_ctx and n_bytes > model.n_ctx:  # a token stands for a byte at least: only then ask the vocabulary
+            check_prompt_fits(n_bytes, model.n_ctx, self.grammars.longest_token_bytes(model.model_path))
         if payload.get("logit_bias"):
             check_logit_bias(payload.get("logit_bias"), payload.get("logit_bias_type"), self._n_vocab(model))
         for source in grammars:
@@ -205,5 +215,9 @@ def warm_up(grammars: GrammarGuard, proxy: Any) -> None:
     """Start the grammar child and load the default model's vocabulary in the background, so the first request
     with a grammar does not pay for it."""
     view = ModelViews(proxy)(None)
-    threading.Thread(target=grammars.problem, args=(view.model_path, GrammarSource('root ::= "a"', False, "warm-up")),
-                     name="ckpt-grammar-warm-up", daemon=True).start()
+
+    def warm() -> None:
+        grammars.problem(view.model_path, GrammarSource('root ::= "a"', False, "warm-up"))
+        grammars.longest_token_bytes(view.model_path)
+
+    threading.Thread(target=warm, name="ckpt-grammar-warm-up", daemon=True).start()

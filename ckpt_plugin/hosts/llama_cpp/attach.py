@@ -32,7 +32,7 @@ from ...errors import UnsupportedHostError
 from ...host_logprobs import CompletionTrace, LogprobsRequest, stop_sequences
 from ...logits import generation_needs
 from ...manager import CheckpointManager
-from ...request import current_request
+from ...request import RequestInterrupted, current_request
 from ...slot_control import SlotController
 from .backend import HostRows, LlamaBackend
 from .context import _version_tuple
@@ -351,12 +351,15 @@ class _Attachment:
             vocab = llama_cpp.llama_model_get_vocab(self.llama.model)
             if request.completion_tokens is None:
                 request.completion_tokens = 0
-            for generated, token in enumerate(self._generate(tokens, *args, **kwargs)):
-                if request.should_stop(generated):
-                    return
-                if not llama_cpp.llama_vocab_is_eog(vocab, token):  # the host's usage counts it
-                    request.completion_tokens += 1
-                yield token
+            try:
+                for generated, token in enumerate(self._generate(tokens, *args, **kwargs)):
+                    if request.should_stop(generated):
+                        return
+                    if not llama_cpp.llama_vocab_is_eog(vocab, token):  # the host's usage counts it
+                        request.completion_tokens += 1
+                    yield token
+            except RequestInterrupted:
+                return  # between two batches of the prompt: the same end, before the first token
         finally:
             generation.finished = True
             if self.current is generation:

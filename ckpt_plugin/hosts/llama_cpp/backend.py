@@ -12,6 +12,7 @@ from llama_cpp.llama import Llama, LlamaState
 from ... import host_compat as host
 from ...logits import EVERY_ROW, NO_ROWS, LogitsNeeds, max_keep
 from ...policy import common_prefix
+from ...request import RequestInterrupted, current_request
 from .context import _flags, _u8_p, _writable_start, fingerprint, memory_kind
 from .outside_writes import OUTSIDE_WRITES, engine_writes
 
@@ -54,11 +55,21 @@ class HostRows:
 
     def decode(self, tokens: np.ndarray) -> None:
         """``Llama.eval`` with per-token logits flags: llama.cpp computes the logits of each batch's last token and
-        of the positions ``needs`` names, not of every token."""
+        of the positions ``needs`` names, not of every token.
+
+        Before each batch, the request being served is asked whether it was interrupted (its client left, or its
+        time is up): a long prompt then stops within one batch instead of holding the slot to its end.
+
+        :raises RequestInterrupted: The request was interrupted; the memory and ``n_tokens`` hold the batches
+            decoded before.
+        """
         llama, needs = self.llama, self.needs
         self._forget_after(int(llama.n_tokens))
         n_batch = int(llama.n_batch)
+        request = current_request.get()
         for start in range(0, len(tokens), n_batch):
+            if request is not None and request.interrupted():
+                raise RequestInterrupted(start)
             chunk = tokens[start : start + n_batch]
             n_past, n = int(llama.n_tokens), len(chunk)
             first = needs.first_output(n_past, n)

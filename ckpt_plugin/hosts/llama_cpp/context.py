@@ -9,11 +9,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import time
+import zlib
 from typing import Any
 
 import llama_cpp
 import llama_cpp._logger as llama_logger
 import numpy as np
+from llama_cpp._internals import LlamaTokenDataArray
 from llama_cpp.llama import Llama
 from llama_cpp.llama_speculative import LlamaDraftModel  # noqa: F401  (the base class speculative.py subclasses)
 
@@ -121,17 +124,31 @@ def _worker_vocab_model(model_path: str) -> Any:
     return model
 
 
-def vocab_size_in_worker(model_path: str) -> int:
-    """The number of tokens in the vocabulary of the model at ``model_path`` (only the vocabulary is loaded)."""
-    return int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(_worker_vocab_model(model_path))))
+def vocab_facts_in_worker(model_path: str) -> tuple[int, int]:
+    """The number of tokens in the vocabulary of the model at ``model_path``, and the most bytes of text one token
+    stands for (only the vocabulary is loaded).
+
+    A token's text is at least as long as the input it covers: sentencepiece vocabularies spell a space as a 3-byte
+    marker, byte-level BPE ones each byte as one or two, and a special token as its own text.
+    """
+    vocab = llama_cpp.llama_model_get_vocab(_worker_vocab_model(model_path))
+    n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+    longest = max((len(llama_cpp.llama_vocab_get_text(vocab, token) or b"") for token in range(n_vocab)), default=1)
+    return n_vocab, max(longest, 1)
 
 
-def grammar_problem_in_worker(model_path: str, text: str, is_schema: bool) -> str | None:
-    """Why llama.cpp refuses a grammar (or a JSON schema the host turns into one) for the model at ``model_path``.
+def grammar_problem_in_worker(model_path: str, text: str, is_schema: bool,
+                              step_budget: float | None = None) -> str | None:
+    """Why llama.cpp refuses a grammar (or a JSON schema the host turns into one) for the model at ``model_path``,
+    or cannot sample with it.
 
     Meant for a child process (:mod:`ckpt_plugin.grammar_guard`): llama.cpp's grammar parser recurses once per
     nesting level and overflows the stack on a deeply nested grammar (about 30,000 levels: a 120 KB request body),
-    which kills whatever process compiles it. Only the vocabulary is loaded.
+    which kills whatever process compiles it. Only the vocabulary is loaded. A grammar that compiles is then sampled
+    with as the host's sampler will (:func:`_sampling_problem`): one that leaves no token to choose makes llama.cpp
+    throw from inside the sampler, which aborts the process.
+
+    :param step_budget: The most seconds one sampling step may take (``None``: no limit).
     """
     model = _worker_vocab_model(model_path)
     if is_schema:
@@ -145,7 +162,102 @@ def grammar_problem_in_worker(model_path: str, text: str, is_schema: bool) -> st
     sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), b"root")
     if not sampler:
         return "llama.cpp could not parse the grammar"
-    llama_cpp.llama_sampler_free(sampler)
+    try:
+        return _sampling_problem(model_path, vocab, sampler, step_budget, zlib.crc32(text.encode("utf-8")))
+    finally:
+        llama_cpp.llama_sampler_free(sampler)
+
+
+GRAMMAR_WALK_STEPS = 6
+"""Sampling steps the grammar child takes with a grammar, each over the whole vocabulary, a token chosen at random
+among those it allows (not an end of generation, while another is allowed)."""
+
+_WALK_SECONDS = 1.0
+"""The walk ends early (the grammar passes) once it has taken this long, every step within the budget: a longer walk
+would delay the request, and a new grammar's first request pays for it."""
+
+_SAMPLE_TOKENS = 4096
+"""Tokens of the first, estimating step: a step's cost is proportional to the tokens it looks at."""
+
+_WORKER_EOG: dict[str, np.ndarray] = {}
+
+
+def _end_of_generation(model_path: str, vocab: Any, n_vocab: int) -> np.ndarray:
+    """Which tokens end a generation (a mask over the vocabulary), once per model."""
+    mask = _WORKER_EOG.get(model_path)
+    if mask is None:
+        mask = _WORKER_EOG[model_path] = np.fromiter(
+            (bool(llama_cpp.llama_vocab_is_eog(vocab, token)) for token in range(n_vocab)), dtype=bool, count=n_vocab)
+    return mask
+
+
+def _allowed(sampler: Any, candidates: LlamaTokenDataArray, ids: np.ndarray) -> tuple[np.ndarray, float]:
+    """Apply ``sampler`` to the tokens ``ids`` (equal logits), as ``llama_sampler_sample`` applies it to every token;
+    return the ids it leaves a chance, and the seconds the step took."""
+    n = len(ids)
+    data = candidates.candidates_data
+    data.id[:n] = ids
+    data.logit[:n] = 0.0
+    data.p[:n] = 0.0
+    array = candidates.candidates
+    array.data = data.ctypes.data_as(llama_cpp.llama_token_data_p)
+    array.size, array.sorted, array.selected = n, False, -1
+    started = time.perf_counter()
+    llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
+    seconds = time.perf_counter() - started
+    kept = data[: array.size]
+    return kept.id[np.isfinite(kept.logit)].astype(np.int64), seconds
+
+
+STEP_TOO_SLOW = ("one sampling step with it takes {about}{seconds:.2f} s over this model's {n_vocab} tokens, more than "
+                 "the {budget:g} s allowed (grammar_max_step_seconds): it has too many alternatives")
+NO_TOKEN = ("{where} no token of the model can follow it, which aborts llama.cpp's sampler: the grammar matches "
+            "nothing there (an inverted range such as [z-a], or a character no token holds)")
+
+
+def _sampling_problem(model_path: str, vocab: Any, sampler: Any, step_budget: float | None, seed: int) -> str | None:
+    """Sample with a compiled grammar as the host will: each step over the whole vocabulary, then a token the grammar
+    allows accepted (:data:`GRAMMAR_WALK_STEPS` steps at most); why the host cannot, or ``None``.
+
+    llama.cpp's grammar sampler leaves every token at -inf where the grammar matches nothing; the host's chain then
+    picks one anyway and accepting it throws ("Unexpected empty grammar stack"), a C++ exception that terminates the
+    process. Here every step checks that some token is left before one is accepted, so the walk itself never
+    accepts a token the grammar refuses.
+
+    A step's time is what the host pays for every token it generates: it grows with the grammar's alternatives times
+    the tokens looked at (about 7 ns each here: 1,000 alternatives over Gemma-3's 262,144 tokens take 1.9 s). The
+    first step looks at a sample of the vocabulary and refuses a grammar whose full step would clearly be over the
+    budget without paying for it; a full step over the budget is measured again and the faster kept (the first may
+    have waited for a core).
+    """
+    n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+    eog = _end_of_generation(model_path, vocab, n_vocab)
+    candidates = LlamaTokenDataArray(n_vocab=n_vocab)
+    rng = np.random.default_rng(seed)
+    every = np.arange(n_vocab, dtype=np.intc)
+    if step_budget is not None and n_vocab > 2 * _SAMPLE_TOKENS:
+        sample = rng.choice(every, _SAMPLE_TOKENS, replace=False).astype(np.intc)
+        _, seconds = _allowed(sampler, candidates, sample)
+        estimate = seconds * n_vocab / _SAMPLE_TOKENS
+        if estimate > 2 * step_budget:
+            return STEP_TOO_SLOW.format(about="about ", seconds=estimate, n_vocab=n_vocab, budget=step_budget)
+    started = time.perf_counter()
+    for step in range(GRAMMAR_WALK_STEPS):
+        allowed, seconds = _allowed(sampler, candidates, every)
+        if step_budget is not None and seconds > step_budget:
+            allowed, again = _allowed(sampler, candidates, every)
+            seconds = min(seconds, again)
+            if seconds > step_budget:
+                return STEP_TOO_SLOW.format(about="", seconds=seconds, n_vocab=n_vocab, budget=step_budget)
+        if not len(allowed):
+            where = "at its start," if step == 0 else f"after {step} sampled tokens,"
+            return NO_TOKEN.format(where=where)
+        going_on = allowed[~eog[allowed]]
+        if not len(going_on):
+            return None  # only an end of generation is left: the grammar is complete
+        if time.perf_counter() - started > _WALK_SECONDS:
+            return None  # every step so far was within the budget
+        llama_cpp.llama_sampler_accept(sampler, int(rng.choice(going_on)))
     return None
 
 

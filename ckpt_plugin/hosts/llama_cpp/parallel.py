@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -98,6 +99,9 @@ class _SlotAttachment(_Attachment):
         self._open.add(generation)
         return generation
 
+    def create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        return _slot_context_errors(super().create_completion(*args, **kwargs), int(self.llama.n_ctx()))
+
     def eval(self, tokens: Sequence[int]) -> None:
         if self.prompt_end is None:
             # Slot 0 only stands in before a lease: evaluating on it would write into another request's slot. Only
@@ -132,6 +136,25 @@ class _SlotAttachment(_Attachment):
                 yield from super()._generate_with_prepare(tokens, reset, stopping, args, kwargs)
         finally:
             parallel.leases.release(slot_id)
+
+
+_CONTEXT_WINDOW = re.compile(r"(exceed context window of )\d+")
+
+
+def _slot_context_errors(completion: Iterator[Any], n_ctx: int) -> Iterator[Any]:
+    """``completion``, its "exceed context window" error naming the slot's ``n_ctx``.
+
+    The host checks a prompt against the view's own ``n_ctx`` (a slot's) but names the size of the context it
+    reads through ``llama_n_ctx``: the shared one, N slots' worth, which no request can use.
+    """
+    try:
+        yield from completion
+    except ValueError as exc:
+        message = str(exc)
+        fixed = _CONTEXT_WINDOW.sub(lambda match: f"{match.group(1)}{n_ctx}", message)
+        if fixed == message:
+            raise
+        raise ValueError(fixed) from None
 
 
 class ParallelLlama:
