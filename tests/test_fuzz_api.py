@@ -1,7 +1,8 @@
 """A bounded property-based fuzz of ckpt-serve's whole HTTP API, plus explicit hostile inputs, over real HTTP.
 
 One real ``ckpt-serve`` on the tiny llama model, with the plugin's own routes on (admin, slot files, ``api_key``
-namespaces, an operator key). Every operation is fuzzed with schemathesis (4.x), positive and negative data: the
+namespaces, an operator key), once with one slot and once with ``--parallel 2``. Every operation is fuzzed with
+schemathesis (4.x), positive and negative data: the
 host's own OpenAPI document (``GET /openapi.json``) plus a fragment for what it does not list (``/checkpoints``,
 ``/checkpoints/stats``, ``/metrics``, ``/slots/{id}`` and the host's hidden alias
 ``/v1/engines/copilot-codex/completions``). Every case must get a response below 500, every 4xx a JSON body, and the
@@ -11,6 +12,11 @@ Failures are collected rather than raised (no shrinking: the run stays bounded),
 the end with a reproducing request each; a crashed server is restarted so the other routes are still fuzzed. Set
 ``CKPT_FUZZ_REPORT=<file>`` to also write them as JSON. Bounds: ``CKPT_FUZZ_EXAMPLES`` examples per operation and
 generation mode (default 40), a fixed seed per operation (``CKPT_FUZZ_SEED`` varies it), ``max_tokens`` capped at 4.
+
+What schemathesis cannot reach is generated here (:func:`generated_hostile`, seeded likewise): bodies without a
+content type, grammars whose language is empty somewhere, grammars and JSON schemas carrying NUL and other control
+characters where the grammar needs them, grammars with tens of thousands of alternatives, and chat messages with
+``image_url`` parts sent to this text model.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import re
 import subprocess
 import time
@@ -80,12 +87,13 @@ class LiveServer:
             context.__exit__(None, None, None)
 
 
-@pytest.fixture(scope="module")
-def live(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["parallel-1", "parallel-2"])
+def live(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory,
+         request: pytest.FixtureRequest) -> Iterator[LiveServer]:
     slots = tmp_path_factory.mktemp("fuzz-slots")
     args = model_args(tiny_model("llama")) + [
         "--checkpoint-admin", "true", "--slot-save-path", str(slots), "--checkpoint-namespaces", "api_key",
-        "--checkpoint-admin-key", OPERATOR,
+        "--checkpoint-admin-key", OPERATOR, "--parallel", str(request.param),
     ]
     holder = LiveServer(args)
     holder.ensure()
@@ -436,8 +444,10 @@ METHODS = [(method, path) for path in ("/metrics", "/checkpoints", "/checkpoints
            for method in ("TRACE", "FOO", "CONNECT")]
 
 
-def check_hostile(live: LiveServer, method: str, path: str, body: bytes | None,
-                  headers: dict[str, str]) -> httpx.Response:
+def check_hostile(live: LiveServer, method: str, path: str, body: bytes | None, headers: dict[str, str],
+                  statuses: tuple[int, ...] = CLIENT_ERRORS) -> httpx.Response:
+    """Send one request: it must get one of ``statuses`` (a 4xx with a JSON body), the server must live and a normal
+    chat completion still answer."""
     server = live.ensure()
     start = len(server.log)
     try:
@@ -451,8 +461,8 @@ def check_hostile(live: LiveServer, method: str, path: str, body: bytes | None,
     context = f"{method} {path} -> {response.status_code} {response.text[:300]!r}\n{log_excerpt(server, start)}"
     assert server.process.poll() is None, f"server died: {context}"
     assert response.status_code < 500, context
-    assert response.status_code in CLIENT_ERRORS, context
-    assert json_body(response.content), f"4xx without a JSON body: {context}"
+    assert response.status_code in statuses, context
+    assert response.status_code == 200 or json_body(response.content), f"4xx without a JSON body: {context}"
     problem = still_answers(server)
     assert problem is None, f"{problem}\nafter {context}"
     return response
@@ -469,3 +479,104 @@ def test_unusual_method(live: LiveServer, method: str, path: str) -> None:
     response = check_hostile(live, method, path, None, {})
     assert response.status_code == 405 and response.headers.get("allow"), (
         response.status_code, dict(response.headers), response.text[:200])
+
+
+# ---------------------------------------------------------------------------------- generated hostile generations
+
+_LETTERS = "abcdefghij"
+_CONTROLS = [chr(c) for c in (*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20))]
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 6)))
+
+
+def _dead_end(rng: random.Random) -> str:
+    """A grammar element that matches nothing: an inverted range, or a character no token of the model holds."""
+    return rng.choice(["[z-a]", "[b-a]", "[\\x00]", '"\\x00"', "[9-0]"])
+
+
+def empty_language_grammar(rng: random.Random) -> str:
+    """A grammar llama.cpp compiles, every way through which reaches a point that matches nothing within 8
+    characters (the grammar check samples paths of 8 tokens)."""
+
+    def short() -> str:
+        return "".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 2)))
+
+    n_rules = rng.randint(1, 3)
+    rules = [f"r{i} ::= " + " | ".join(f'"{short()}" r{i + 1}' if i + 1 < n_rules and rng.random() < 0.5
+                                         else f'"{short()}" {_dead_end(rng)}' for _ in range(rng.randint(1, 3)))
+             for i in range(n_rules)]
+    return "root ::= r0\n" + "\n".join(rules)
+
+
+def control_schema(rng: random.Random) -> dict[str, Any]:
+    """A JSON schema with a control character where the grammar needs it (a key, an enum or const value),
+    possibly nested."""
+    bad = _word(rng) + rng.choice(_CONTROLS) + _word(rng)
+    leaf: dict[str, Any] = rng.choice([
+        {"type": "object", "properties": {bad: {"type": "string"}}, "required": [bad]},
+        {"enum": [_word(rng), bad]},
+        {"const": bad},
+        {"type": "array", "items": {"enum": [bad]}, "minItems": 1},
+    ])
+    for _ in range(rng.randint(0, 3)):
+        key = _word(rng)
+        leaf = {"type": "object", "properties": {key: leaf}, "required": [key]}
+    return leaf
+
+
+def huge_grammar(rng: random.Random) -> str:
+    return "root ::= " + " | ".join(f'"{_word(rng)}{_word(rng)}"' for _ in range(rng.randint(20_000, 30_000)))
+
+
+_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def generated_hostile(count: int = 6) -> list[tuple[str, str, bytes, dict[str, str], tuple[int, ...]]]:
+    """``(id, path, body, headers, statuses allowed)``: generated generation requests (seeded by CKPT_FUZZ_SEED)."""
+    rng = random.Random(SEED)
+    cases: list[tuple[str, str, bytes, dict[str, str], tuple[int, ...]]] = []
+    for path, body in (("/v1/completions", _COMPLETION), (ALIAS, _COMPLETION), ("/v1/chat/completions", _CHAT)):
+        for name, headers in (("no-content-type", {}), ("empty-content-type", {"Content-Type": ""})):
+            cases.append((f"{name}{path.replace('/', '-')}", path, _json(body), headers, (200,)))
+    for i in range(count):
+        grammar = empty_language_grammar(rng)
+        path = rng.choice(["/v1/completions", ALIAS, "/v1/chat/completions"])
+        body = _CHAT if path.endswith("chat/completions") else _COMPLETION
+        cases.append((f"empty-language-{i}", path, _json({**body, "grammar": grammar}), _JSON, (422,)))
+    for i in range(count):
+        schema = control_schema(rng)
+        where = rng.choice(["response_format", "tool_choice", "tools", "grammar"])
+        if where == "response_format":
+            extra: dict[str, Any] = {"response_format": {"type": "json_object", "schema": schema}}
+        elif where == "grammar":
+            extra = {"grammar": f'root ::= "{_word(rng)}{rng.choice(_CONTROLS)}"'}
+        else:
+            extra = {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+            if where == "tool_choice":
+                extra["tool_choice"] = {"type": "function", "function": {"name": "f"}}
+        cases.append((f"control-character-{where}-{i}", "/v1/chat/completions", _json({**_CHAT, **extra}), _JSON,
+                      (422,)))
+    for i in range(2):
+        # Cheap on this 347-token vocabulary (a few ms a step); refused past grammar_max_step_seconds elsewhere.
+        cases.append((f"huge-grammar-{i}", "/v1/completions", _json({**_COMPLETION, "grammar": huge_grammar(rng)}),
+                      _JSON, (200, 422)))
+    for i, part in enumerate(({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                              {"type": "image_url", "image_url": "http://example.invalid/x.png"},
+                              {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+                              {"type": "image_url"})):
+        content = [{"type": "text", "text": "what is this?"}, part] if i % 2 else [part]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        cases.append((f"image-url-{i}", "/v1/chat/completions", _json(body), _JSON, (200, *CLIENT_ERRORS)))
+    return cases
+
+
+GENERATED = generated_hostile()
+
+
+@pytest.mark.parametrize(("path", "body", "headers", "statuses"), [case[1:] for case in GENERATED],
+                         ids=[case[0] for case in GENERATED])
+def test_generated_hostile_generation(live: LiveServer, path: str, body: bytes, headers: dict[str, str],
+                                      statuses: tuple[int, ...]) -> None:
+    check_hostile(live, "POST", path, body, headers, statuses)

@@ -168,9 +168,12 @@ def grammar_problem_in_worker(model_path: str, text: str, is_schema: bool,
         llama_cpp.llama_sampler_free(sampler)
 
 
-GRAMMAR_WALK_STEPS = 6
-"""Sampling steps the grammar child takes with a grammar, each over the whole vocabulary, a token chosen at random
-among those it allows (not an end of generation, while another is allowed)."""
+GRAMMAR_WALKS = 4
+"""Paths the grammar child samples with a grammar, each from its start (the sampler reset)."""
+
+GRAMMAR_WALK_STEPS = 8
+"""Sampling steps of each path, each over the whole vocabulary, a token chosen at random among those the grammar
+allows (not an end of generation, while another is allowed)."""
 
 _WALK_SECONDS = 1.0
 """The walk ends early (the grammar passes) once it has taken this long, every step within the budget: a longer walk
@@ -217,12 +220,15 @@ NO_TOKEN = ("{where} no token of the model can follow it, which aborts llama.cpp
 
 def _sampling_problem(model_path: str, vocab: Any, sampler: Any, step_budget: float | None, seed: int) -> str | None:
     """Sample with a compiled grammar as the host will: each step over the whole vocabulary, then a token the grammar
-    allows accepted (:data:`GRAMMAR_WALK_STEPS` steps at most); why the host cannot, or ``None``.
+    allows accepted (:data:`GRAMMAR_WALKS` paths of :data:`GRAMMAR_WALK_STEPS` steps at most); why the host cannot,
+    or ``None``.
 
     llama.cpp's grammar sampler leaves every token at -inf where the grammar matches nothing; the host's chain then
     picks one anyway and accepting it throws ("Unexpected empty grammar stack"), a C++ exception that terminates the
     process. Here every step checks that some token is left before one is accepted, so the walk itself never
-    accepts a token the grammar refuses.
+    accepts a token the grammar refuses. The paths are samples, not a proof: a point that matches nothing deeper
+    than they go, or on a path none of them takes, is not found (control characters, the usual way a JSON schema
+    gets there, are refused before: :func:`~ckpt_plugin.request_checks.check_no_control_characters`).
 
     A step's time is what the host pays for every token it generates: it grows with the grammar's alternatives times
     the tokens looked at (about 7 ns each here: 1,000 alternatives over Gemma-3's 262,144 tokens take 1.9 s). The
@@ -242,22 +248,27 @@ def _sampling_problem(model_path: str, vocab: Any, sampler: Any, step_budget: fl
         if estimate > 2 * step_budget:
             return STEP_TOO_SLOW.format(about="about ", seconds=estimate, n_vocab=n_vocab, budget=step_budget)
     started = time.perf_counter()
-    for step in range(GRAMMAR_WALK_STEPS):
-        allowed, seconds = _allowed(sampler, candidates, every)
-        if step_budget is not None and seconds > step_budget:
-            allowed, again = _allowed(sampler, candidates, every)
-            seconds = min(seconds, again)
-            if seconds > step_budget:
-                return STEP_TOO_SLOW.format(about="", seconds=seconds, n_vocab=n_vocab, budget=step_budget)
-        if not len(allowed):
-            where = "at its start," if step == 0 else f"after {step} sampled tokens,"
-            return NO_TOKEN.format(where=where)
-        going_on = allowed[~eog[allowed]]
-        if not len(going_on):
-            return None  # only an end of generation is left: the grammar is complete
-        if time.perf_counter() - started > _WALK_SECONDS:
-            return None  # every step so far was within the budget
-        llama_cpp.llama_sampler_accept(sampler, int(rng.choice(going_on)))
+    for walk in range(GRAMMAR_WALKS):
+        if walk:
+            if time.perf_counter() - started > _WALK_SECONDS:
+                return None  # every step so far was within the budget
+            llama_cpp.llama_sampler_reset(sampler)
+        for step in range(GRAMMAR_WALK_STEPS):
+            allowed, seconds = _allowed(sampler, candidates, every)
+            if step_budget is not None and seconds > step_budget:
+                allowed, again = _allowed(sampler, candidates, every)
+                seconds = min(seconds, again)
+                if seconds > step_budget:
+                    return STEP_TOO_SLOW.format(about="", seconds=seconds, n_vocab=n_vocab, budget=step_budget)
+            if not len(allowed):
+                where = "at its start," if step == 0 else f"after {step} sampled tokens,"
+                return NO_TOKEN.format(where=where)
+            going_on = allowed[~eog[allowed]]
+            if not len(going_on):
+                break  # only an end of generation is left: this path is complete
+            if time.perf_counter() - started > _WALK_SECONDS:
+                return None
+            llama_cpp.llama_sampler_accept(sampler, int(rng.choice(going_on)))
     return None
 
 
