@@ -4,9 +4,11 @@
                          [--plot docs/soak-rss.png] [--no-plain] [--parallel N]
 
 Each client loops over a mix: multi-turn chats (checked against the answers the same server gave the same request
-earlier, greedy), branches (an earlier turn edited), streams dropped mid-way (20%), malformed bodies (5%), slot saves
-and restores (ckpt-serve only: the host alone has no slot routes). A request that takes longer than
-``--hang-seconds`` counts as a hang.
+earlier, greedy), branches (an earlier turn edited), streams dropped mid-way (20%; a third of them during a long
+prompt, before its first token), malformed and hostile bodies (5%: grammars that match nothing, NUL in schemas,
+grammars of 30,000 alternatives, 20 MB prompts, bodies without a content type among them), slot saves and restores
+(ckpt-serve only: the host alone has no slot routes). A request that takes longer than ``--hang-seconds`` counts as a
+hang.
 
 Memory: the server's RSS is sampled every second from /proc, with the resident part of the host's large per-position
 arrays (llama-cpp-python's ``n_ctx x n_vocab`` ``scores`` and llama.cpp's output buffer, both from
@@ -40,6 +42,11 @@ from servers import run_server  # noqa: E402
 SYSTEMS = [f"You are assistant number {i}. " + "Answer briefly and kindly about the house and the dog. " * 12
            for i in range(8)]
 TURNS = ["hello", "tell me more", "and the dog?", "what about the house", "one more thing", "thanks"]
+
+
+HUGE_GRAMMAR = json.dumps({"prompt": "hi", "max_tokens": 4, "grammar": "root ::= " + " | ".join(
+    f'"w{i:05d}x"' for i in range(30_000))}).encode()
+HUGE_PROMPT = json.dumps({"prompt": "the cat and the dog " * 1_000_000, "max_tokens": 4}).encode()  # 20 MB
 
 
 def rss_bytes(pid: int) -> int:
@@ -157,6 +164,18 @@ class Soak:
         body = {"model": "m", "messages": messages, "max_tokens": 48, "temperature": 0, "stream": True}
         started = time.monotonic()
         status = 0
+        if rng.random() < 1 / 3:
+            # Gone during the prompt, before its first token: the slot is free within one batch.
+            long_turn = {"role": "user", "content": "the cat and the dog " * rng.randint(300, 600)}
+            try:
+                with http.stream("POST", "/v1/chat/completions", json={**body, "messages": [long_turn]},
+                                 timeout=httpx.Timeout(self.hang_seconds * 2, read=0.3)) as response:
+                    status = response.status_code
+                    response.read()
+            except httpx.ReadTimeout:
+                status = 200
+            self.note("dropped-prompt", status, time.monotonic() - started)
+            return
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             status = response.status_code
             for i, _ in enumerate(response.iter_lines()):
@@ -190,6 +209,16 @@ class Soak:
                 ("POST", "/v1/completions", b'{"prompt": "hi", "logit_bias": {"abc": 5}}', json_type),
                 ("POST", "/extras/tokenize", b"\xff\xfe", json_type),
                 ("TRACE", "/metrics", b"", {}),
+                # each of these aborted ckpt-serve itself, or held a slot or the queue for tens of seconds
+                ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 4, "grammar": "root ::= \\"a\\" [z-a]"}',
+                 json_type),
+                ("POST", chat, json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                           "response_format": {"type": "json_object", "schema": {
+                                               "type": "object", "properties": {"\0": {"type": "string"}},
+                                               "required": ["\0"]}}}).encode(), json_type),
+                ("POST", "/v1/completions", HUGE_GRAMMAR, json_type),
+                ("POST", "/v1/completions", HUGE_PROMPT, json_type),
+                ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 4}', {}),
             ]
         method, path, body, headers = rng.choice(requests)
         started = time.monotonic()
