@@ -239,7 +239,7 @@ def _tiny_dir() -> pathlib.Path:
 @functools.cache
 def tiny_path(kind: str) -> str:
     """A tiny random-weight model of ``kind`` (``llama``, ``gemma3``, ``mamba``, ``hybrid``), built once per run."""
-    from ckpt_plugin.tiny_models import build_tiny_model
+    from ckpt_plugin.testing.tiny_models import build_tiny_model
 
     return str(build_tiny_model(kind, _tiny_dir() / f"{kind}.gguf"))
 

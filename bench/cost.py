@@ -35,7 +35,7 @@ from _common import GEMMA_VOCAB, Report, cli, emit, fmt_ratio, open_gemma, rando
 from delay_proxy import delay_proxy  # noqa: E402
 
 import ckpt_plugin  # noqa: E402
-from ckpt_plugin.cache import PromptCache  # noqa: E402
+from ckpt_plugin.tiers.ram import PromptCache  # noqa: E402
 from ckpt_plugin.hosts.llama_cpp.context import clear_memory  # noqa: E402
 
 MARKDOWN_PATH = ROOT / "docs" / "bench-sections" / "70-plans-by-cost.md"
@@ -137,7 +137,7 @@ def cold(report: Report, rounds: int) -> None:
 def far(report: Report, rounds: int) -> None:
     from shared_tier import redis_server
 
-    from ckpt_plugin.publishing import publish
+    from ckpt_plugin.services.publishing import publish
 
     with redis_server() as url:
         port = int(url.rsplit(":", 1)[1].split("/")[0])

@@ -46,7 +46,7 @@ from _common import TINY_VOCAB, Report, fmt_ratio, random_tokens  # noqa: E402
 import ckpt_plugin  # noqa: E402
 from ckpt_plugin.hosts.llama_cpp.context import clear_memory  # noqa: E402
 from ckpt_plugin.testing import assert_same_answer, fresh_greedy_tokens, greedy_tokens  # noqa: E402
-from ckpt_plugin.tiny_models import MODEL_KINDS, build_tiny_model  # noqa: E402
+from ckpt_plugin.testing.tiny_models import MODEL_KINDS, build_tiny_model  # noqa: E402
 
 NEEDS_GPU = ("bench/gpu.py needs a CUDA build of llama-cpp-python (llama_supports_gpu_offload() is false here):\n"
              '  CMAKE_ARGS="-DGGML_CUDA=on" bash scripts/setup.sh   # or: CMAKE_ARGS="-DGGML_CUDA=on" pip install '

@@ -32,11 +32,12 @@ from _common import Case, Report, Samples, cli, emit, fmt_ms, fmt_ratio, measure
 from llama_cpp.llama import LlamaState
 from llama_cpp.llama_cache import LlamaRAMCache
 
-from ckpt_plugin.cache import CacheEntry, PromptCache
-from ckpt_plugin.checkpoint import Checkpoint, freeze
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.tiers.ram import PromptCache
+from ckpt_plugin.core.checkpoint import Checkpoint, freeze
 from ckpt_plugin.hosts.llama_cpp.host_cache import HostPromptCache
-from ckpt_plugin.manager import CheckpointManager
-from ckpt_plugin.policy import common_prefix
+from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.policy.plan import common_prefix
 from ckpt_plugin.testing import FAKE_KINDS, FakeBackend
 
 ENTRY_TOKENS = 2000

@@ -47,9 +47,9 @@ from _common import (
 from llama_cpp import Llama
 
 import ckpt_plugin
-from ckpt_plugin.checkpoint import StateBufferPool
+from ckpt_plugin.core.checkpoint import StateBufferPool
 from ckpt_plugin.hosts.llama_cpp.context import _writable_start
-from ckpt_plugin.spare_pages import SPARE_MAPPER
+from ckpt_plugin.core.buffers import SPARE_MAPPER
 
 PROMPT_TOKENS = 1500
 ROTATING = "raw get partial, new np.empty per call, oldest of 32 freed"

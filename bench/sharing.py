@@ -101,7 +101,7 @@ def open_session(n_branches: int) -> Session:
 
 def pool_free_bytes() -> int:
     """Bytes of freed state buffers the plugin keeps mapped for reuse (0 if it has no such pool)."""
-    pool = getattr(ckpt_plugin.checkpoint, "DEFAULT_POOL", None)
+    pool = getattr(ckpt_plugin.core.checkpoint, "DEFAULT_POOL", None)
     return int(getattr(pool, "free_bytes", 0))
 
 

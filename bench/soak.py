@@ -341,7 +341,7 @@ def main() -> None:
         plot(json.loads(args.replot.read_text()), args.plot)
         return
     if args.model is None:
-        from ckpt_plugin.default_model import default_model_path
+        from ckpt_plugin.hosts.llama_cpp.default_model import default_model_path
 
         args.model = str(default_model_path())
     budget = _parse(args.budget)
@@ -462,7 +462,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
 
 
 def _parse(size: str) -> int:
-    from ckpt_plugin.config import parse_size
+    from ckpt_plugin.core.config import parse_size
 
     return parse_size(size)
 

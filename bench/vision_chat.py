@@ -2,7 +2,7 @@
 multimodal chat handler (``Llava15ChatHandler``) and a real projector loaded by libmtmd.
 
 No vision model ships in a package here, so the projector is a random-weight llava-1.5 MLP projector written by
-``ckpt_plugin.tiny_models.write_tiny_mmproj`` with the text model's width (Gemma-3-270M: 640) and llava-1.5's
+``ckpt_plugin.testing.tiny_models.write_tiny_mmproj`` with the text model's width (Gemma-3-270M: 640) and llava-1.5's
 image grid: a 336x336 input in 14-pixel patches, 576 positions an image. Its encoder is small (width 32, 2 blocks),
 so the image's cost here is mostly the 576 positions the text model decodes; a real CLIP encoder adds its own
 encoding time to every turn of the host alone, and nothing to a turn the plugin serves from a stored state.
@@ -63,7 +63,7 @@ def conversation(llama: Any, image: str) -> tuple[float, float, str]:
 
 def main() -> None:
     args = cli(__doc__).parse_args()
-    from ckpt_plugin.tiny_models import image_data_uri, mmproj_positions_per_image, tiny_png, write_tiny_mmproj
+    from ckpt_plugin.testing.tiny_models import image_data_uri, mmproj_positions_per_image, tiny_png, write_tiny_mmproj
 
     rounds = 2 if args.quick else 5
     directory = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_vision_"))

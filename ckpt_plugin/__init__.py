@@ -13,11 +13,12 @@ Quick start::
 
 from __future__ import annotations
 
-from .cache import DEFAULT_MAX_BYTES, CacheEntry, PromptCache
-from .checkpoint import Checkpoint, ExtraState
-from .config import CheckpointSettings, ServeSettings
-from .disk_tier import DiskTier
-from .errors import (
+from ckpt_plugin.core.entry import DEFAULT_MAX_BYTES, CacheEntry
+from ckpt_plugin.tiers.ram import PromptCache
+from ckpt_plugin.core.checkpoint import Checkpoint, ExtraState
+from ckpt_plugin.core.config import CheckpointSettings, ServeSettings
+from ckpt_plugin.tiers.disk import DiskTier
+from ckpt_plugin.core.errors import (
     CaptureError,
     CheckpointError,
     ConfigError,
@@ -32,13 +33,13 @@ from .errors import (
     UnsafePathError,
     UnsupportedHostError,
 )
-from .hooks import PROJECT_NAME, hookimpl, hookspec
-from .manager import Backend, CheckpointManager, Slot
-from .persist import read_entry, write_entry
-from .policy import MemoryKind
-from .publishing import publish
-from .schedule import CheckpointRules
-from .shared_tier import SharedTier
+from ckpt_plugin.plugins.hookspecs import PROJECT_NAME, hookimpl, hookspec
+from ckpt_plugin.engine.manager import Backend, CheckpointManager, Slot
+from ckpt_plugin.persist import read_entry, write_entry
+from ckpt_plugin.policy.plan import MemoryKind
+from ckpt_plugin.services.publishing import publish
+from ckpt_plugin.policy.schedule import CheckpointRules
+from ckpt_plugin.tiers.shared.tier import SharedTier
 
 __version__ = "0.1.0"
 

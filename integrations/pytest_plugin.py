@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import pytest
 
 if TYPE_CHECKING:
-    from ckpt_plugin.manager import CheckpointManager
+    from ckpt_plugin.engine.manager import CheckpointManager
     from ckpt_plugin.testing import HookRecorder
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 from pydantic import BaseModel, SecretStr
 
-from ckpt_plugin.config import parse_size
+from ckpt_plugin.core.config import parse_size
 
 __all__ = [
     "FlagSpec",
@@ -46,7 +46,7 @@ def parse_bool(text: str) -> bool:
 
 
 def parse_size_arg(text: str) -> int:
-    """A byte size (``2GiB``, ``512MB``, a number of bytes) for argparse: :func:`ckpt_plugin.config.parse_size`."""
+    """A byte size (``2GiB``, ``512MB``, a number of bytes) for argparse: :func:`ckpt_plugin.core.config.parse_size`."""
     try:
         return parse_size(text)
     except ValueError as exc:

@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The layers contract (pyproject.toml, [tool.importlinter]): each layer of ckpt_plugin imports only those below it.
+.venv/bin/lint-imports
 exec .venv/bin/python -m pytest "$@"

@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from ckpt_plugin.admission import Admission, ServerBusy
+from ckpt_plugin.http.admission_queue import Admission, ServerBusy
 
 
 def client() -> tuple[Any, Any]:

@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_plugin.cache import CacheEntry, PromptCache, RadixIndex
-from ckpt_plugin.checkpoint import Checkpoint, StateBufferPool, freeze
-from ckpt_plugin.policy import common_prefix
-from ckpt_plugin.spare_pages import SPARE_MAPPER
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.tiers.ram import PromptCache, RadixIndex
+from ckpt_plugin.core.checkpoint import Checkpoint, StateBufferPool, freeze
+from ckpt_plugin.policy.plan import common_prefix
+from ckpt_plugin.core.buffers import SPARE_MAPPER
 
 
 def buffer(n: int) -> np.ndarray:
@@ -79,7 +80,7 @@ def test_lookup_cost_does_not_scan_entries() -> None:
         calls += 1
         return real(a, b)
 
-    import ckpt_plugin.cache as cache_module
+    import ckpt_plugin.tiers.ram as cache_module
 
     cache_module.common_prefix = counting
     try:

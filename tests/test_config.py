@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_plugin.config import CheckpointSettings, parse_size
+from ckpt_plugin.core.config import CheckpointSettings, parse_size
 from ckpt_plugin_integrations.llama_cpp_server.cli import ConfigError, load_settings
 
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckpt_plugin.checkpoint import Checkpoint, freeze
-from ckpt_plugin.cost_probes import CostProbe
-from ckpt_plugin.costs import (
+from ckpt_plugin.core.checkpoint import Checkpoint, freeze
+from ckpt_plugin.tiers.cost_probes import CostProbe
+from ckpt_plugin.policy.costs import (
     DEFAULT_RATES,
     EVAL_BUCKETS,
     MIN_RATE_BYTES,
@@ -24,11 +24,11 @@ from ckpt_plugin.costs import (
     clearly_cheaper,
     with_transfer,
 )
-from ckpt_plugin.metrics import Metrics
-from ckpt_plugin.policy import Hit, LiveMemory, MemoryKind, Plan, best_reuse, can_truncate, plan_prompt
-from ckpt_plugin.schedule import CheckpointRules, pause_points, want_checkpoint
+from ckpt_plugin.http.metrics import Metrics
+from ckpt_plugin.policy.plan import Hit, LiveMemory, MemoryKind, Plan, best_reuse, can_truncate, plan_prompt
+from ckpt_plugin.policy.schedule import CheckpointRules, pause_points, want_checkpoint
 from ckpt_plugin.testing import fake_manager, run_prompt
-from ckpt_plugin.tiers import Query
+from ckpt_plugin.tiers.protocol import Query
 
 KINDS = [MemoryKind(), MemoryKind(n_swa=4), MemoryKind(recurrent=True, attention=False),
          MemoryKind(n_swa=4, recurrent=True)]
@@ -337,8 +337,8 @@ def test_the_http_views_show_the_costs(make_llama: Any) -> None:
     import httpx
 
     import ckpt_plugin
-    from ckpt_plugin.config import ServeSettings
-    from ckpt_plugin.middleware import CheckpointMiddleware
+    from ckpt_plugin.core.config import ServeSettings
+    from ckpt_plugin.http.middleware import CheckpointMiddleware
     from test_middleware import serve, starlette_app
 
     llama = make_llama("gemma3")

@@ -10,9 +10,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_plugin.eviction import evict_until, lru_victims
-from ckpt_plugin.hooks import hookimpl
-from ckpt_plugin.request import RequestScope, current_request
+from ckpt_plugin.policy.eviction import evict_until, lru_victims
+from ckpt_plugin.plugins.hookspecs import hookimpl
+from ckpt_plugin.core.request import RequestScope, current_request
 from ckpt_plugin.testing import fake_manager, run_prompt
 
 

@@ -205,7 +205,7 @@ def test_every_kind_of_bad_value_is_one_line_before_anything_loads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """ckpt-serve's checks (in-process: they load nothing), each bad value as the one thing wrong."""
-    from ckpt_plugin.errors import ConfigError
+    from ckpt_plugin.core.errors import ConfigError
     from ckpt_plugin_integrations.llama_cpp_server.cli import check_settings
 
     for name in [*os.environ]:

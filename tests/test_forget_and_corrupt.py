@@ -22,13 +22,13 @@ import numpy as np
 import openai
 import pytest
 
-from ckpt_plugin.cache import CacheEntry
-from ckpt_plugin.checkpoint import Checkpoint, freeze
-from ckpt_plugin.disk_tier import DiskTier
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.core.checkpoint import Checkpoint, freeze
+from ckpt_plugin.tiers.disk import DiskTier
 from ckpt_plugin.persist import read_header
-from ckpt_plugin.shared_format import Partition
-from ckpt_plugin.shared_tier import SharedTier
-from ckpt_plugin.counters import Cleared
+from ckpt_plugin.tiers.shared.format import Partition
+from ckpt_plugin.tiers.shared.tier import SharedTier
+from ckpt_plugin.core.counters import Cleared
 
 from redis_servers import RedisServer, run_redis
 from servers import Server, model_args, run_server
@@ -46,7 +46,7 @@ from pathlib import Path
 from llama_cpp import Llama
 
 import ckpt_plugin
-from ckpt_plugin.errors import CorruptFileError
+from ckpt_plugin.core.errors import CorruptFileError
 
 model, work, mode, kwargs = sys.argv[1], Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 PROMPT = "the cat and the dog went to the house and the bird sat on the tree " * 6

@@ -216,7 +216,7 @@ def test_a_skipped_hook_is_called_as_soon_as_a_plugin_implements_it_and_skipped_
     # Only this manager's own callers are skipped: another plugin manager's hook of the same name is called.
     assert "on_checkpoint_created" in manager.plugins.idle_hooks
     other = pluggy.PluginManager(ckpt_plugin.PROJECT_NAME)
-    other.add_hookspecs(ckpt_plugin.hooks)
+    other.add_hookspecs(ckpt_plugin.plugins.hookspecs)
     other.register(Seen(), name="seen-elsewhere")
     elsewhere = other.get_plugin("seen-elsewhere")
     manager.hooks.call(other.hook.on_checkpoint_created, slot=manager.slot, checkpoint=first)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import ckpt_plugin
-from ckpt_plugin.host_logprobs import ROW_BLOCK, stop_sequences, top_indices
+from ckpt_plugin.hosts.llama_cpp.logprobs import ROW_BLOCK, stop_sequences, top_indices
 
 KINDS = ["llama", "gemma3", "mamba"]
 BOS_ID, EOS_ID = 1, 2

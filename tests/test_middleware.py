@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import ckpt_plugin
-from ckpt_plugin.config import ServeSettings
-from ckpt_plugin.middleware import CheckpointMiddleware
+from ckpt_plugin.core.config import ServeSettings
+from ckpt_plugin.http.middleware import CheckpointMiddleware
 
 from servers import free_port
 

@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 
 from ckpt_plugin import persist
-from ckpt_plugin.cache import CacheEntry
-from ckpt_plugin.checkpoint import Checkpoint, ExtraState, freeze
-from ckpt_plugin.disk_tier import DiskTier
-from ckpt_plugin.errors import CorruptFileError
-from ckpt_plugin.hooks import hookimpl, restored_extra
-from ckpt_plugin.manager import CheckpointManager
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.core.checkpoint import Checkpoint, ExtraState, freeze
+from ckpt_plugin.tiers.disk import DiskTier
+from ckpt_plugin.core.errors import CorruptFileError
+from ckpt_plugin.plugins.hookspecs import hookimpl, restored_extra
+from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.persist import decode_entry, encode_entry, read_entry, read_header, write_entry
-from ckpt_plugin.publishing import publish
-from ckpt_plugin.shared_format import Partition, blob_digest, decode_manifest, encode_manifest
-from ckpt_plugin.shared_tier import SharedTier
+from ckpt_plugin.services.publishing import publish
+from ckpt_plugin.tiers.shared.format import Partition, blob_digest, decode_manifest, encode_manifest
+from ckpt_plugin.tiers.shared.tier import SharedTier
 from ckpt_plugin.testing import fake_manager, run_prompt
-from ckpt_plugin.tiers import Query
+from ckpt_plugin.tiers.protocol import Query
 from redis_servers import RedisServer, run_redis
 
 FP = "model-a/ctx=1024"

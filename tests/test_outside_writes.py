@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import ckpt_plugin
-from ckpt_plugin.errors import OpaqueMemoryError
+from ckpt_plugin.core.errors import OpaqueMemoryError
 from ckpt_plugin.hosts.llama_cpp.host_cache import host_only_known
 
 KINDS = ["llama", "gemma3"]

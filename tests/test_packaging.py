@@ -163,7 +163,7 @@ def test_the_installed_wheel_serves_and_attaches(dists: dict[str, pathlib.Path],
     script = (
         "import json, sys\n"
         "import llama_cpp, ckpt_plugin, ckpt_plugin_integrations\n"
-        "from ckpt_plugin.tiny_models import build_tiny_model\n"
+        "from ckpt_plugin.testing.tiny_models import build_tiny_model\n"
         "path = build_tiny_model('llama', sys.argv[1])\n"
         "llama = llama_cpp.Llama(str(path), n_ctx=256, verbose=False)\n"
         "auto = ckpt_plugin.manager_of(llama) is not None\n"

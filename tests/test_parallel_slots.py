@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
-from ckpt_plugin.slot_choice import IdleSlot, choose_slot
+from ckpt_plugin.hosts.llama_cpp.slot_choice import IdleSlot, choose_slot
 
 KINDS = ["llama", "gemma3", "mamba", "hybrid"]
 

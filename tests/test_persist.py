@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_plugin import persist
-from ckpt_plugin.cache import CacheEntry
-from ckpt_plugin.checkpoint import Checkpoint, StateBufferPool, freeze
-from ckpt_plugin.errors import CheckpointError, IncompatibleStateError
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.core.checkpoint import Checkpoint, StateBufferPool, freeze
+from ckpt_plugin.core.errors import CheckpointError, IncompatibleStateError
 from ckpt_plugin.persist import (
     ALIGNMENT,
     CorruptFileError,
@@ -511,8 +511,8 @@ CHILD = r"""
 import sys, time
 import numpy as np
 from ckpt_plugin import persist
-from ckpt_plugin.cache import CacheEntry
-from ckpt_plugin.checkpoint import Checkpoint, StateBufferPool, freeze
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.core.checkpoint import Checkpoint, StateBufferPool, freeze
 
 path, mode = sys.argv[1], sys.argv[2]
 

@@ -8,9 +8,9 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckpt_plugin.checkpoint import Checkpoint, freeze
-from ckpt_plugin.eviction import SLOT_BUDGET_SHARE, checkpoints_to_erase, slot_checkpoint_limit
-from ckpt_plugin.policy import (
+from ckpt_plugin.core.checkpoint import Checkpoint, freeze
+from ckpt_plugin.policy.eviction import SLOT_BUDGET_SHARE, checkpoints_to_erase, slot_checkpoint_limit
+from ckpt_plugin.policy.plan import (
     Hit,
     LiveMemory,
     MemoryKind,
@@ -20,7 +20,7 @@ from ckpt_plugin.policy import (
     common_prefix,
     plan_prompt,
 )
-from ckpt_plugin.schedule import CheckpointRules, branch_point, pause_points, prompt_end_checkpoint, want_checkpoint
+from ckpt_plugin.policy.schedule import CheckpointRules, branch_point, pause_points, prompt_end_checkpoint, want_checkpoint
 
 
 def checkpoint(n_tokens: int) -> Checkpoint:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from ckpt_plugin.config import CheckpointSettings, ServeSettings
+from ckpt_plugin.core.config import CheckpointSettings, ServeSettings
 from ckpt_plugin_integrations.auto_attach import cli as run_cli
 from ckpt_plugin_integrations.llama_cpp_server import cli as serve_cli
 from ckpt_plugin_integrations.settings_flags import flag_specs, format_size, parse_bool, plain_text
@@ -122,5 +122,5 @@ def test_the_shared_parsers() -> None:
         parse_bool("maybe")
     assert [format_size(n) for n in (2 << 30, 10 << 30, 32 << 20, 1536, 1000, 0)] == [
         "2GiB", "10GiB", "32MiB", "1536", "1000", "0"]
-    assert plain_text("see ``cache_max_bytes`` and :class:`~ckpt_plugin.config.CheckpointSettings`, `x`") == (
+    assert plain_text("see ``cache_max_bytes`` and :class:`~ckpt_plugin.core.config.CheckpointSettings`, `x`") == (
         "see cache_max_bytes and CheckpointSettings, x")

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpt_plugin.cache import CacheEntry
-from ckpt_plugin.checkpoint import Checkpoint, freeze
-from ckpt_plugin.errors import CorruptFileError, IncompatibleStateError
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.core.checkpoint import Checkpoint, freeze
+from ckpt_plugin.core.errors import CorruptFileError, IncompatibleStateError
 from ckpt_plugin.persist import FILE_BLOB_REFS, decode_entry, encode_entry, read_entry, write_entry
-from ckpt_plugin.shared_format import (
+from ckpt_plugin.tiers.shared.format import (
     BLOCK_TOKENS,
     Partition,
     blob_digest,

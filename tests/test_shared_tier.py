@@ -12,9 +12,9 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from ckpt_plugin.manager import CheckpointManager
-from ckpt_plugin.publishing import publish
-from ckpt_plugin.shared_tier import SharedTier
+from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.services.publishing import publish
+from ckpt_plugin.tiers.shared.tier import SharedTier
 from ckpt_plugin.testing import fake_manager, run_prompt
 from redis_servers import RedisServer, run_redis
 
@@ -189,7 +189,7 @@ def test_a_bad_url_exits_2_with_a_message_that_keeps_the_password(url: str, caps
         main(["--model", "x.gguf", "--checkpoint-redis-url", url])
     message = capsys.readouterr().err
     assert exited.value.code == 2 and "redis_url" in message and "secret" not in message, message
-    from ckpt_plugin.config import CheckpointSettings
+    from ckpt_plugin.core.config import CheckpointSettings
 
     with pytest.raises(ValueError) as refused:  # from the library too
         CheckpointSettings(redis_url=url)
@@ -228,7 +228,7 @@ def test_passwords_are_taken_as_redis_py_takes_them(tmp_path: Path) -> None:
 def test_lookup_and_fetch_latencies_are_prometheus_histograms(server: RedisServer) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from ckpt_plugin.metrics import SharedTierCollector
+    from ckpt_plugin.http.metrics import SharedTierCollector
 
     a = replica(server.url, prefix="latency")
     run_prompt(a, PROMPT, 2)

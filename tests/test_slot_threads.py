@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from ckpt_plugin import CheckpointManager
-from ckpt_plugin.checkpoint import Checkpoint
-from ckpt_plugin.counters import Counters
-from ckpt_plugin.hooks import hookimpl
+from ckpt_plugin.core.checkpoint import Checkpoint
+from ckpt_plugin.core.counters import Counters
+from ckpt_plugin.plugins.hookspecs import hookimpl
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceContext
 from ckpt_plugin.testing import fake_manager
 

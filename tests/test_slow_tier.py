@@ -12,9 +12,9 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from ckpt_plugin.manager import CheckpointManager
-from ckpt_plugin.publishing import publish
-from ckpt_plugin.shared_tier import SharedTier
+from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.services.publishing import publish
+from ckpt_plugin.tiers.shared.tier import SharedTier
 from ckpt_plugin.testing import FAKE_KINDS, FakeBackend, run_prompt
 from delay_proxy import DelayProxy, delay_proxy
 from redis_servers import RedisServer, run_redis

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ckpt_plugin
-from ckpt_plugin.speculative import DraftModel, NgramDraft, NgramStatePlugin, enable_speculative
+from ckpt_plugin.hosts.llama_cpp.speculative import DraftModel, NgramDraft, NgramStatePlugin, enable_speculative
 from ckpt_plugin.testing import assert_same_answer, fresh_greedy_tokens, greedy_tokens
 
 N = 8
@@ -53,7 +53,7 @@ def test_mismatched_draft_data_is_dropped_and_counted(make_llama: Any, tiny_mode
     from llama_cpp import Llama
 
     from conftest import TINY_LLAMA_KWARGS
-    from ckpt_plugin.tiny_models import build_tiny_model
+    from ckpt_plugin.testing.tiny_models import build_tiny_model
 
     target, manager, draft = speculative_pair(make_llama, "llama")
     reference = make_llama("llama")

@@ -8,7 +8,7 @@ import pathlib
 import weakref
 
 from ckpt_plugin.testing import fake_manager, run_prompt
-from ckpt_plugin.tier_registry import TierRegistry
+from ckpt_plugin.tiers.registry import TierRegistry
 
 
 def test_managers_naming_one_directory_share_its_disk_tier(tmp_path: pathlib.Path) -> None:

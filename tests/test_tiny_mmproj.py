@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from llama_cpp.llama_chat_format import Llava15ChatHandler, MTMDChatHandler
 
-from ckpt_plugin.tiny_models import (
+from ckpt_plugin.testing.tiny_models import (
     MMPROJ_IMAGE_SIZE,
     image_data_uri,
     mmproj_positions_per_image,

@@ -1,4 +1,4 @@
-"""Tests for ckpt_plugin.tiny_models: the generated GGUFs load and run in llama.cpp."""
+"""Tests for ckpt_plugin.testing.tiny_models: the generated GGUFs load and run in llama.cpp."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
-from ckpt_plugin.tiny_models import MODEL_KINDS, N_VOCAB, build_tiny_model  # noqa: E402
+from ckpt_plugin.testing.tiny_models import MODEL_KINDS, N_VOCAB, build_tiny_model  # noqa: E402
 
 LLAMA_KWARGS: dict[str, Any] = dict(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2, verbose=False)
 PROMPTS = (b"hello world", b"the cat and the dog", b"one two", b"is it that")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from ckpt_plugin.write_behind import Job, WriteBehind
+from ckpt_plugin.tiers.shared.write_behind import Job, WriteBehind
 
 
 def test_a_full_queue_drops_the_oldest_and_every_job_is_released_once() -> None:

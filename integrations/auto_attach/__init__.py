@@ -18,7 +18,7 @@ __all__ = ["AutoAttacher", "current", "install", "managers", "uninstall"]
 def __getattr__(name: str) -> Any:
     # The attacher imports llama_cpp and ckpt_plugin; startup must not.
     if name in __all__:
-        from . import attacher
+        from ckpt_plugin_integrations.auto_attach import attacher
 
         return getattr(attacher, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

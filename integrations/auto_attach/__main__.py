@@ -1,3 +1,3 @@
-from .cli import main
+from ckpt_plugin_integrations.auto_attach.cli import main
 
 main()

@@ -34,12 +34,12 @@ from ckpt_plugin import (
     attach,
     manager_of,
 )
-from ckpt_plugin.tier_registry import TIERS
+from ckpt_plugin.tiers.registry import TIERS
 
-from .llama_hook import enabled, wrap_llama_init
-from .logs import show_logs
-from .metrics_server import MetricsServer
-from .settings import check_llama_overrides, load_checkpoint_settings, load_run_settings
+from ckpt_plugin_integrations.auto_attach.llama_hook import enabled, wrap_llama_init
+from ckpt_plugin_integrations.auto_attach.logs import show_logs
+from ckpt_plugin_integrations.auto_attach.metrics_server import MetricsServer
+from ckpt_plugin_integrations.auto_attach.settings import check_llama_overrides, load_checkpoint_settings, load_run_settings
 
 log = logging.getLogger("ckpt_plugin.auto_attach")
 

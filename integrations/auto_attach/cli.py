@@ -18,11 +18,11 @@ from typing import Any, NoReturn, Sequence
 
 from pydantic import ValidationError
 
-from ckpt_plugin.config import CheckpointSettings, ServeSettings, setting_variables, unknown_variables
-from ckpt_plugin.errors import ConfigError
+from ckpt_plugin.core.config import CheckpointSettings, ServeSettings, setting_variables, unknown_variables
+from ckpt_plugin.core.errors import ConfigError
 
-from ..settings_flags import add_settings_flags, flag_name, plain_text
-from .settings import RunSettings, check_llama_overrides, load_checkpoint_settings, load_run_settings, parse_override
+from ckpt_plugin_integrations.settings_flags import add_settings_flags, flag_name, plain_text
+from ckpt_plugin_integrations.auto_attach.settings import RunSettings, check_llama_overrides, load_checkpoint_settings, load_run_settings, parse_override
 
 BOOT_DIR = pathlib.Path(__file__).with_name("boot")
 """The directory holding the ``sitecustomize`` module that starts auto-attach."""

@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 from prometheus_client import start_http_server
 
 from ckpt_plugin import CheckpointManager
-from ckpt_plugin.metrics import Metrics
+from ckpt_plugin.http.metrics import Metrics
 
 log = logging.getLogger("ckpt_plugin.auto_attach")
 

@@ -3,7 +3,7 @@
 Both come from ``CKPT_*`` environment variables, so that every process of a program (workers, children) reads the
 same values: ``ckpt-run`` turns its flags into those variables before it starts the command. Checkpoint settings may
 also come from a file (``CKPT_CONFIG_FILE``, JSON, TOML or YAML, the keys of
-:class:`~ckpt_plugin.config.CheckpointSettings` at the top level); a variable wins over the file.
+:class:`~ckpt_plugin.core.config.CheckpointSettings` at the top level); a variable wins over the file.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from ckpt_plugin.config import CheckpointSettings
-from ckpt_plugin.errors import ConfigError
+from ckpt_plugin.core.config import CheckpointSettings
+from ckpt_plugin.core.errors import ConfigError
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 

@@ -13,7 +13,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-from .llama_hook import enabled, wrap_llama_init
+from ckpt_plugin_integrations.auto_attach.llama_hook import enabled, wrap_llama_init
 
 __all__ = ["enabled", "start", "start_quietly"]
 
@@ -42,7 +42,7 @@ def start_quietly() -> None:
 
 def _construct_lazily(wrapped: Callable[..., None], instance: Any, args: tuple, kwargs: dict) -> None:
     # ckpt_plugin is imported with the first Llama, not when llama_cpp is: ckpt_plugin imports llama_cpp itself.
-    from .attacher import construct
+    from ckpt_plugin_integrations.auto_attach.attacher import construct
 
     construct(wrapped, instance, args, kwargs)
 

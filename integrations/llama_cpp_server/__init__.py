@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .app import create_app
-from .proxy import CheckpointLlamaProxy
+from ckpt_plugin_integrations.llama_cpp_server.app import create_app
+from ckpt_plugin_integrations.llama_cpp_server.proxy import CheckpointLlamaProxy
 
 __all__ = ["CheckpointLlamaProxy", "create_app"]

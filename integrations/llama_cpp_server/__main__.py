@@ -1,3 +1,3 @@
-from .cli import main
+from ckpt_plugin_integrations.llama_cpp_server.cli import main
 
 main()

@@ -10,16 +10,16 @@ import anyio
 import llama_cpp.server.app as host
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-from ckpt_plugin import host_compat
-from ckpt_plugin.admission import Admission
-from ckpt_plugin.config import ServeSettings
-from ckpt_plugin.grammar_guard import GrammarGuard
-from ckpt_plugin.middleware import CheckpointMiddleware
+from ckpt_plugin.hosts.llama_cpp import compat as host_compat
+from ckpt_plugin.http.admission_queue import Admission
+from ckpt_plugin.core.config import ServeSettings
+from ckpt_plugin.http.grammar_guard import GrammarGuard
+from ckpt_plugin.http.middleware import CheckpointMiddleware
 
-from .guards import host_route_guards, warm_up
-from .model_checks import check_parallel
-from .proxy import CheckpointLlamaProxy, RequestViews
-from .read_ahead import collect_streams, iterate_chunks, stop_streams
+from ckpt_plugin_integrations.llama_cpp_server.guards import host_route_guards, warm_up
+from ckpt_plugin_integrations.llama_cpp_server.model_checks import check_parallel
+from ckpt_plugin_integrations.llama_cpp_server.proxy import CheckpointLlamaProxy, RequestViews
+from ckpt_plugin_integrations.llama_cpp_server.read_ahead import collect_streams, iterate_chunks, stop_streams
 
 
 def create_app(

@@ -25,13 +25,13 @@ from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
 from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings, Settings
 from pydantic import ValidationError
 
-from ckpt_plugin.config import ServeSettings, setting_variables, unknown_variables
-from ckpt_plugin.default_model import default_model_location, default_model_path
-from ckpt_plugin.errors import ConfigError
+from ckpt_plugin.core.config import ServeSettings, setting_variables, unknown_variables
+from ckpt_plugin.hosts.llama_cpp.default_model import default_model_location, default_model_path
+from ckpt_plugin.core.errors import ConfigError
 from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT
 
-from ..settings_flags import add_settings_flags, flag_name, given_flags, plain_text
-from .model_checks import (
+from ckpt_plugin_integrations.settings_flags import add_settings_flags, flag_name, given_flags, plain_text
+from ckpt_plugin_integrations.llama_cpp_server.model_checks import (
     check_chat_formats,
     check_directory,
     check_model_file,
@@ -540,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from ckpt_plugin_integrations.auto_attach import uninstall as stop_auto_attach
 
-    from .app import create_app
+    from ckpt_plugin_integrations.llama_cpp_server.app import create_app
 
     # ckpt-serve attaches its models itself (with shared caches per alias): under ckpt-run or CKPT_AUTO_ATTACH=1
     # the models must not be attached a first time as they are created.

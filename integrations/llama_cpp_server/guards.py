@@ -2,7 +2,7 @@
 
 Each guard validates the body against the host's own request model, then checks what only the model can tell:
 token ids against the vocabulary, ``logit_bias`` keys, grammars (compiled and sampled with first in a child process
-by :class:`~ckpt_plugin.grammar_guard.GrammarGuard`), whether the model computes embeddings, and whether a prompt's
+by :class:`~ckpt_plugin.http.grammar_guard.GrammarGuard`), whether the model computes embeddings, and whether a prompt's
 text is too long for the context whatever its tokens (refused before it is tokenized). The tokenizer routes
 are answered here, in a worker thread: the host tokenizes on the event loop, where a 20 MB body held every other
 request for seconds.
@@ -28,10 +28,10 @@ from llama_cpp.server.types import (
 )
 from pydantic import BaseModel
 
-from ckpt_plugin import host_compat
-from ckpt_plugin.errors import UnsupportedHostError
-from ckpt_plugin.grammar_guard import GrammarGuard
-from ckpt_plugin.request_checks import (
+from ckpt_plugin.hosts.llama_cpp import compat as host_compat
+from ckpt_plugin.core.errors import UnsupportedHostError
+from ckpt_plugin.http.grammar_guard import GrammarGuard
+from ckpt_plugin.http.request_checks import (
     GrammarSource,
     RequestRejected,
     chat_grammars,
@@ -42,7 +42,7 @@ from ckpt_plugin.request_checks import (
     completion_grammars,
     prompt_text_bytes,
 )
-from ckpt_plugin.route_guard import RouteGuard
+from ckpt_plugin.http.route_guard import RouteGuard
 
 
 class RouteKind(enum.Enum):

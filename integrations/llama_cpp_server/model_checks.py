@@ -1,5 +1,5 @@
 """Checks of the models and files ckpt-serve is asked to serve, before any loads: each refusal is a
-:class:`~ckpt_plugin.errors.ConfigError` naming the flag, variable or config key that gave the bad value.
+:class:`~ckpt_plugin.core.errors.ConfigError` naming the flag, variable or config key that gave the bad value.
 
 llama_cpp.server reads several settings only when it loads a model, and a bad one then stops it with a traceback
 (a ``--kv_overrides`` without ``=``, a multimodal chat format without ``--clip_model_path``, a missing LoRA file):
@@ -18,10 +18,10 @@ from typing import Callable
 import gguf
 from llama_cpp.server.settings import ModelSettings
 
-from ckpt_plugin.config import PARALLEL_DRAFT_UNSUPPORTED
-from ckpt_plugin.default_model import is_default_model
-from ckpt_plugin.errors import ConfigError
-from ckpt_plugin.host_compat import SERVER_CHAT_FORMATS
+from ckpt_plugin.core.config import PARALLEL_DRAFT_UNSUPPORTED
+from ckpt_plugin.hosts.llama_cpp.default_model import is_default_model
+from ckpt_plugin.core.errors import ConfigError
+from ckpt_plugin.hosts.llama_cpp.compat import SERVER_CHAT_FORMATS
 from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, known_chat_formats
 
 log = logging.getLogger("ckpt_plugin")
@@ -103,7 +103,7 @@ def check_parallel(models: list[ModelSettings], parallel: int, parallel_source: 
                    draft_sources: list[str] | None = None) -> None:
     """Refuse what parallel slots do not serve yet, before a model loads: several models, a multimodal projector, or
     a model with llama_cpp.server's draft model (``--draft_model``, prompt lookup decoding). ckpt-serve's own ``draft_model``
-    (``--draft-model``) is refused by :class:`~ckpt_plugin.config.ServeSettings` itself.
+    (``--draft-model``) is refused by :class:`~ckpt_plugin.core.config.ServeSettings` itself.
 
     :param parallel_source: Where ``parallel`` was set (a flag, variable or config key).
     :param draft_sources: Where each model's ``draft_model`` was set.

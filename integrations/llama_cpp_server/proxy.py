@@ -10,14 +10,14 @@ import llama_cpp
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings
 
-from ckpt_plugin import host_compat
+from ckpt_plugin.hosts.llama_cpp import compat as host_compat
 from ckpt_plugin import CheckpointManager, CheckpointSettings, PromptCache, attach
 from ckpt_plugin.hosts.llama_cpp.attach import open_llama
 from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
-from ckpt_plugin.speculative import enable_speculative
-from ckpt_plugin.config import ServeSettings
-from ckpt_plugin.disk_tier import DiskTier
-from ckpt_plugin.tier_registry import TIERS
+from ckpt_plugin.hosts.llama_cpp.speculative import enable_speculative
+from ckpt_plugin.core.config import ServeSettings
+from ckpt_plugin.tiers.disk import DiskTier
+from ckpt_plugin.tiers.registry import TIERS
 
 
 _CREATE_LOCK = threading.Lock()

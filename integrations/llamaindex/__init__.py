@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..library_support import DEFAULT_N_BATCH, DEFAULT_N_CTX, HeldLlama, llama_kwargs
+from ckpt_plugin_integrations.library_support import DEFAULT_N_BATCH, DEFAULT_N_CTX, HeldLlama, llama_kwargs
 
 __all__ = ["attach", "detach", "llama_of", "model_kwargs"]
 

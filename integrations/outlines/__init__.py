@@ -20,7 +20,7 @@ from typing import Any
 
 from llama_cpp import Llama
 
-from ..library_support import HeldLlama, attach_llama, llama_kwargs, require
+from ckpt_plugin_integrations.library_support import HeldLlama, attach_llama, llama_kwargs, require
 
 __all__ = ["attach", "detach", "from_llamacpp", "llama_kwargs", "llama_of"]
 

@@ -11,7 +11,7 @@
   full-state capture and the slot's checkpoints instead of copying the state and the logits array;
 - ``set_cache``: installs :class:`HostPromptCache`, a ``BaseLlamaCache`` view of the manager's prefix-indexed cache;
 - ``_create_completion``: notes whether the request reads logprobs (and of the prompt, with ``echo``), so that
-  evaluation computes and keeps only the logits someone reads (:mod:`ckpt_plugin.logits`).
+  evaluation computes and keeps only the logits someone reads (:mod:`ckpt_plugin.hosts.llama_cpp.logits`).
 """
 
 from __future__ import annotations
@@ -24,21 +24,21 @@ import numpy as np
 from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache
 
-from ... import host_compat as host
-from ...cache import PromptCache
-from ...config import CheckpointSettings
-from ...disk_tier import DiskTier
-from ...errors import UnsupportedHostError
-from ...host_logprobs import CompletionTrace, LogprobsRequest, stop_sequences
-from ...logits import generation_needs
-from ...manager import CheckpointManager
-from ...request import RequestInterrupted, current_request
-from ...slot_control import SlotController
-from .backend import HostRows, LlamaBackend
-from .context import _version_tuple
-from .host_cache import HostPromptCache, SharedLlamaState, _tiers_for_host_cache, host_only_known, mark_host_only
-from .multimodal import MediaFlow, install_relay, remove_relay
-from .outside_writes import same_handle
+from ckpt_plugin.hosts.llama_cpp import compat as host
+from ckpt_plugin.tiers.ram import PromptCache
+from ckpt_plugin.core.config import CheckpointSettings
+from ckpt_plugin.tiers.disk import DiskTier
+from ckpt_plugin.core.errors import UnsupportedHostError
+from ckpt_plugin.hosts.llama_cpp.logprobs import CompletionTrace, LogprobsRequest, stop_sequences
+from ckpt_plugin.hosts.llama_cpp.logits import generation_needs
+from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.core.request import RequestInterrupted, current_request
+from ckpt_plugin.engine.slot_controller import SlotController
+from ckpt_plugin.hosts.llama_cpp.backend import HostRows, LlamaBackend
+from ckpt_plugin.hosts.llama_cpp.context import _version_tuple
+from ckpt_plugin.hosts.llama_cpp.host_cache import HostPromptCache, SharedLlamaState, _tiers_for_host_cache, host_only_known, mark_host_only
+from ckpt_plugin.hosts.llama_cpp.multimodal import MediaFlow, install_relay, remove_relay
+from ckpt_plugin.hosts.llama_cpp.outside_writes import same_handle
 
 TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
 """llama-cpp-python versions attach accepts: from the first (inclusive) to the second (exclusive)."""
@@ -212,7 +212,7 @@ class _Attachment:
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """The host's ``_create_completion``, noting the logits the request reads; a request for logprobs runs the
-        host without them and gets them from :mod:`ckpt_plugin.host_logprobs` (the same values, vectorized)."""
+        host without them and gets them from :mod:`ckpt_plugin.hosts.llama_cpp.logprobs` (the same values, vectorized)."""
         bound = self._completion_signature.bind(self.llama, *args, **kwargs)
         logprobs = bound.arguments.get("logprobs")
         reads = (logprobs is not None, bool(bound.arguments.get("echo", False)))
@@ -247,7 +247,7 @@ class _Attachment:
 
         The host's ``completion`` runs with ``logprobs=None``. Its ``generate`` call is watched (a wrapper installed
         on the instance for its first ``next()`` only, the call in which the host calls ``generate``) by a
-        :class:`~ckpt_plugin.host_logprobs.CompletionTrace`, which learns the prompt and completion tokens.
+        :class:`~ckpt_plugin.hosts.llama_cpp.logprobs.CompletionTrace`, which learns the prompt and completion tokens.
         Non-streamed: the single response gets ``logprobs`` computed from the rows after the generation, where the
         host computes them. Streamed: without logprobs the host groups tokens into chunks differently, so its chunks
         are dropped and the trace's replay of the logprobs loop (one chunk per token, computed as each token arrived)
@@ -427,9 +427,9 @@ def attach(
     """Give ``llama`` shared checkpoints and a prefix-indexed prompt cache; return its manager.
 
     :param llama: A ``llama_cpp.Llama`` created by the host.
-    :param settings: :class:`~ckpt_plugin.config.CheckpointSettings`; keyword arguments override fields.
-    :param cache: A :class:`~ckpt_plugin.cache.PromptCache` shared with other managers of the same model.
-    :param disk: A :class:`~ckpt_plugin.disk_tier.DiskTier` shared likewise.
+    :param settings: :class:`~ckpt_plugin.core.config.CheckpointSettings`; keyword arguments override fields.
+    :param cache: A :class:`~ckpt_plugin.tiers.ram.PromptCache` shared with other managers of the same model.
+    :param disk: A :class:`~ckpt_plugin.tiers.disk.DiskTier` shared likewise.
     :raises UnsupportedHostError: ``llama`` is not a ``Llama``, is already attached, serves embeddings, has no
         context (``vocab_only=True``, or closed), or llama-cpp-python is outside the tested versions; nothing is
         patched then.

@@ -1,5 +1,5 @@
-"""Sequence 0 of a ``llama_cpp.Llama`` context as an engine slot's :class:`~ckpt_plugin.slot.Backend`, and the host's
-logits rows it keeps for the generations that read them (:mod:`ckpt_plugin.logits`)."""
+"""Sequence 0 of a ``llama_cpp.Llama`` context as an engine slot's :class:`~ckpt_plugin.core.slot.Backend`, and the host's
+logits rows it keeps for the generations that read them (:mod:`ckpt_plugin.hosts.llama_cpp.logits`)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama import Llama, LlamaState
 
-from ... import host_compat as host
-from ...logits import EVERY_ROW, NO_ROWS, LogitsNeeds, max_keep
-from ...policy import common_prefix
-from ...request import RequestInterrupted, current_request
-from .context import _flags, _u8_p, _writable_start, fingerprint, memory_kind
-from .outside_writes import OUTSIDE_WRITES, engine_writes
+from ckpt_plugin.hosts.llama_cpp import compat as host
+from ckpt_plugin.hosts.llama_cpp.logits import EVERY_ROW, NO_ROWS, LogitsNeeds, max_keep
+from ckpt_plugin.policy.plan import common_prefix
+from ckpt_plugin.core.request import RequestInterrupted, current_request
+from ckpt_plugin.hosts.llama_cpp.context import _flags, _u8_p, _writable_start, fingerprint, memory_kind
+from ckpt_plugin.hosts.llama_cpp.outside_writes import OUTSIDE_WRITES, engine_writes
 
 
 class HostRows:
     """A ``Llama``'s evaluation bookkeeping: ``input_ids``, ``n_tokens`` and the ``scores`` rows a generation reads.
 
-    Evaluation computes only the logits the current generation reads (``needs``, see :mod:`ckpt_plugin.logits`) and
+    Evaluation computes only the logits the current generation reads (``needs``, see :mod:`ckpt_plugin.hosts.llama_cpp.logits`) and
     keeps the host's ``scores`` array small unless a generation reads its rows: the ``n_ctx x n_vocab`` array a
     ``logits_all=True`` host allocates (4.3 GB of address space for Gemma-3 at n_ctx 4096) is released on attach
     and allocated again only for a request that reads prompt or completion logprobs.
@@ -160,7 +160,7 @@ class HostRows:
 
 
 class LlamaBackend(HostRows):
-    """Sequence 0 of a ``llama_cpp.Llama`` context, as the manager's :class:`~ckpt_plugin.manager.Backend`."""
+    """Sequence 0 of a ``llama_cpp.Llama`` context, as the manager's :class:`~ckpt_plugin.engine.manager.Backend`."""
 
     def __init__(self, llama: Llama) -> None:
         self.kind = memory_kind(llama)

@@ -1,7 +1,7 @@
 """Model contexts through llama-cpp-python: memory kind, fingerprint, state-copy flags, logits, vocabulary.
 
 Everything here reads a ``Llama`` (or a llama.cpp model) and changes nothing; the worker functions run in the
-grammar guard's child process (:mod:`ckpt_plugin.grammar_guard`).
+grammar guard's child process (:mod:`ckpt_plugin.http.grammar_guard`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from llama_cpp._internals import LlamaTokenDataArray
 from llama_cpp.llama import Llama
 from llama_cpp.llama_speculative import LlamaDraftModel  # noqa: F401  (the base class speculative.py subclasses)
 
-from ...policy import MemoryKind
+from ckpt_plugin.policy.plan import MemoryKind
 
 _u8_p = ctypes.POINTER(ctypes.c_uint8)
 
@@ -142,7 +142,7 @@ def grammar_problem_in_worker(model_path: str, text: str, is_schema: bool,
     """Why llama.cpp refuses a grammar (or a JSON schema the host turns into one) for the model at ``model_path``,
     or cannot sample with it.
 
-    Meant for a child process (:mod:`ckpt_plugin.grammar_guard`): llama.cpp's grammar parser recurses once per
+    Meant for a child process (:mod:`ckpt_plugin.http.grammar_guard`): llama.cpp's grammar parser recurses once per
     nesting level and overflows the stack on a deeply nested grammar (about 30,000 levels: a 120 KB request body),
     which kills whatever process compiles it. Only the vocabulary is loaded. A grammar that compiles is then sampled
     with as the host's sampler will (:func:`_sampling_problem`): one that leaves no token to choose makes llama.cpp
@@ -228,7 +228,7 @@ def _sampling_problem(model_path: str, vocab: Any, sampler: Any, step_budget: fl
     process. Here every step checks that some token is left before one is accepted, so the walk itself never
     accepts a token the grammar refuses. The paths are samples, not a proof: a point that matches nothing deeper
     than they go, or on a path none of them takes, is not found (control characters, the usual way a JSON schema
-    gets there, are refused before: :func:`~ckpt_plugin.request_checks.check_no_control_characters`).
+    gets there, are refused before: :func:`~ckpt_plugin.http.request_checks.check_no_control_characters`).
 
     A step's time is what the host pays for every token it generates: it grows with the grammar's alternatives times
     the tokens looked at (about 7 ns each here: 1,000 alternatives over Gemma-3's 262,144 tokens take 1.9 s). The

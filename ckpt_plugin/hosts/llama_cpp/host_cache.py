@@ -10,13 +10,14 @@ import numpy as np
 from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache, LlamaDiskCache
 
-from ... import host_compat as host
-from ...cache import CacheEntry, PromptCache
-from ...checkpoint import freeze
-from ...config import CheckpointSettings
-from ...disk_tier import DiskTier
-from ...manager import CheckpointManager
-from ...tier_registry import TIERS
+from ckpt_plugin.hosts.llama_cpp import compat as host
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.tiers.ram import PromptCache
+from ckpt_plugin.core.checkpoint import freeze
+from ckpt_plugin.core.config import CheckpointSettings
+from ckpt_plugin.tiers.disk import DiskTier
+from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.tiers.registry import TIERS
 
 _NO_SCORES = freeze(np.empty((0, 0), dtype=np.single))
 

@@ -10,9 +10,9 @@ without writing ``input_ids`` there, then completes ``input_ids[:n_tokens]``.
 module itself is untouched) and changes three of its calls:
 
 - ``mtmd_helper_bitmap_init_from_buf``: the bitmap gets an id, a digest of its decoded pixels (or samples) and of the
-  projector file, as llama.cpp's server does (:func:`ckpt_plugin.media.media_digest`);
+  projector file, as llama.cpp's server does (:func:`ckpt_plugin.core.media.media_digest`);
 - ``mtmd_tokenize``: the chunks become one prompt of token ids in which each media chunk's positions are ids derived
-  from its digest (:func:`ckpt_plugin.media.media_token_ids`), and the engine is told the request ahead
+  from its digest (:func:`ckpt_plugin.core.media.media_token_ids`), and the engine is told the request ahead
   (:meth:`MediaFlow.arm`): the clear that follows does nothing, and the handler's evaluations are served from the
   longest prefix of that prompt the memory, a checkpoint or the cache holds;
 - ``mtmd_helper_eval_chunk_single``: a media chunk the memory already holds at that place is not decoded again; one
@@ -36,8 +36,8 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from ...media import media_digest, media_start, media_token_ids
-from .outside_writes import Watched, engine_writes
+from ckpt_plugin.core.media import media_digest, media_start, media_token_ids
+from ckpt_plugin.hosts.llama_cpp.outside_writes import Watched, engine_writes
 
 log = logging.getLogger("ckpt_plugin")
 

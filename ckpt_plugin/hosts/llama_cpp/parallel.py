@@ -7,13 +7,13 @@
   conversation (a request that fits one slot fits any, as with one), and a token attends over its own slot's cells
   only;
 - a :class:`~ckpt_plugin.hosts.llama_cpp.scheduler.BatchScheduler` decoding every busy slot's tokens together;
-- one engine (:class:`~ckpt_plugin.manager.CheckpointManager`) with one slot per sequence: checkpoints and cache
+- one engine (:class:`~ckpt_plugin.engine.manager.CheckpointManager`) with one slot per sequence: checkpoints and cache
   entries are shared by reference between the slots and the tiers, so a conversation that moves to another slot
   restores from them;
 - :meth:`ParallelLlama.view`: per request, a :class:`~ckpt_plugin.hosts.llama_cpp.slot_views.SlotLlama` on which the
   host runs its own completion and chat code. The view is bound to a slot when its generation starts, the point
   where the prompt's tokens are known: the idle slot sharing the longest prefix with them
-  (:mod:`ckpt_plugin.slot_choice`), leased until the generation ends.
+  (:mod:`ckpt_plugin.hosts.llama_cpp.slot_choice`), leased until the generation ends.
 
 A draft model is not supported with N > 1 (the draft context has one sequence): :class:`ParallelLlama` refuses one.
 """
@@ -30,17 +30,17 @@ import numpy as np
 from llama_cpp._internals import LlamaTokenDataArray
 from llama_cpp.llama import Llama
 
-from ...cache import PromptCache
-from ...config import CheckpointSettings
-from ...disk_tier import DiskTier
-from ...errors import UnsupportedHostError
-from ...manager import CheckpointManager
-from ...slot_choice import SlotLeases
-from .attach import _Attachment
-from .backend import HostRows
-from .scheduler import BatchScheduler
-from .sequences import SequenceBackend, SequenceContext
-from .slot_views import SlotLlama, view_of
+from ckpt_plugin.tiers.ram import PromptCache
+from ckpt_plugin.core.config import CheckpointSettings
+from ckpt_plugin.tiers.disk import DiskTier
+from ckpt_plugin.core.errors import UnsupportedHostError
+from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.hosts.llama_cpp.slot_choice import SlotLeases
+from ckpt_plugin.hosts.llama_cpp.attach import _Attachment
+from ckpt_plugin.hosts.llama_cpp.backend import HostRows
+from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler
+from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
+from ckpt_plugin.hosts.llama_cpp.slot_views import SlotLlama, view_of
 
 log = logging.getLogger("ckpt_plugin")
 

@@ -29,8 +29,8 @@ from typing import Callable, Iterator
 import llama_cpp
 import numpy as np
 
-from ...errors import StateRestoreError
-from .sequences import SequenceContext
+from ckpt_plugin.core.errors import StateRestoreError
+from ckpt_plugin.hosts.llama_cpp.sequences import SequenceContext
 
 log = logging.getLogger("ckpt_plugin")
 

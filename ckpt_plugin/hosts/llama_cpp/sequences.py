@@ -3,7 +3,7 @@
 llama-cpp-python's ``Llama`` creates its context with one sequence. :class:`SequenceContext` creates a second context
 on the same model (no second copy of the weights) with ``n_seq`` sequences, in one KV cache they share or in a KV
 stream each (as llama.cpp's server does with ``--parallel``); each :class:`SequenceBackend` is one
-sequence, the :class:`~ckpt_plugin.slot.Backend` of one engine slot. A state captured from one sequence restores into
+sequence, the :class:`~ckpt_plugin.core.slot.Backend` of one engine slot. A state captured from one sequence restores into
 any other of the same context (the fingerprint covers the context's parameters and its number of sequences).
 """
 
@@ -16,9 +16,9 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama import Llama
 
-from ...errors import StateRestoreError
-from .context import _flags, _u8_p, _writable_start, fingerprint_of, memory_kind
-from ...policy import MemoryKind
+from ckpt_plugin.core.errors import StateRestoreError
+from ckpt_plugin.hosts.llama_cpp.context import _flags, _u8_p, _writable_start, fingerprint_of, memory_kind
+from ckpt_plugin.policy.plan import MemoryKind
 
 
 class SequenceContext:
@@ -67,7 +67,7 @@ class SequenceContext:
         self._closed = False
 
     def sequence(self, seq_id: int) -> SequenceBackend:
-        """The :class:`~ckpt_plugin.slot.Backend` of sequence ``seq_id``."""
+        """The :class:`~ckpt_plugin.core.slot.Backend` of sequence ``seq_id``."""
         if not 0 <= seq_id < self.n_seq:
             raise ValueError(f"sequence {seq_id} is not one of this context's {self.n_seq}")
         return SequenceBackend(self, seq_id)
@@ -117,7 +117,7 @@ class SequenceContext:
 
 
 class SequenceBackend:
-    """One sequence of a :class:`SequenceContext`: an engine slot's :class:`~ckpt_plugin.slot.Backend`.
+    """One sequence of a :class:`SequenceContext`: an engine slot's :class:`~ckpt_plugin.core.slot.Backend`.
 
     :param context: The context.
     :param seq_id: The sequence.

@@ -25,9 +25,9 @@ import numpy as np
 from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
 from llama_cpp.llama import Llama
 
-from ... import host_compat as host
-from .scheduler import release_hold
-from .sequences import SequenceBackend, SequenceContext
+from ckpt_plugin.hosts.llama_cpp import compat as host
+from ckpt_plugin.hosts.llama_cpp.scheduler import release_hold
+from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
 
 _SAMPLE_SIGNATURE = inspect.signature(Llama.sample)
 _INIT_SAMPLER_SIGNATURE = inspect.signature(Llama._init_sampler)

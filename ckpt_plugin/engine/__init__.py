@@ -1,0 +1,1 @@
+"""The checkpoint engine: the manager, each slot's controller and memory, the captures and the cost probes."""

@@ -1,0 +1,341 @@
+"""The engine: the slots of one model context over one store, with the hooks, counters and settings they share.
+
+A :class:`CheckpointManager` holds one :class:`~ckpt_plugin.engine.slot_controller.SlotController` per sequence id of its
+context (``slots``; a host's single ``Llama`` has one), the :class:`~ckpt_plugin.tiers.store.TieredStore` every slot shares,
+the plugin manager and the counters. Each slot prepares prompts and evaluates tokens on its own sequence; checkpoints
+and cache entries are immutable and shared by reference between the slots and the tiers. The one-slot methods
+(:meth:`prepare`, :meth:`process`, :meth:`save`, :meth:`load`, ...) act on slot 0, the slot of an attached ``Llama``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from ckpt_plugin.plugins import hookspecs as hooks
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.tiers.ram import PromptCache
+from ckpt_plugin.engine.captures import Captures
+from ckpt_plugin.core.checkpoint import Checkpoint
+from ckpt_plugin.core.config import CheckpointSettings
+from ckpt_plugin.plugins.default import DEFAULT_PLUGIN_NAME, DefaultPlugin
+from ckpt_plugin.tiers.disk import DiskTier
+from ckpt_plugin.core.errors import SlotBusyError
+from ckpt_plugin.plugins.relay import HookRelay, ProjectPlugins
+from ckpt_plugin.plugins.hookspecs import PROJECT_NAME
+from ckpt_plugin.policy.plan import Plan
+from ckpt_plugin.policy.schedule import CheckpointRules, default_min_step
+from ckpt_plugin.tiers.shared.tier import SharedTier
+from ckpt_plugin.core.slot import Backend, Slot
+from ckpt_plugin.engine.slot_controller import SlotController
+from ckpt_plugin.services.slot_files import erase_slot, restore_slot, save_slot
+from ckpt_plugin.core.counters import Cleared, Counters
+from ckpt_plugin.services.stats import describe, manager_stats
+from ckpt_plugin.tiers.store import TieredStore
+from ckpt_plugin.tiers.registry import TIERS
+from ckpt_plugin.tiers.protocol import Tier
+
+__all__ = ["Backend", "CheckpointManager", "Counters", "DEFAULT_PLUGIN_NAME", "DefaultPlugin", "Slot"]
+
+log = logging.getLogger("ckpt_plugin")
+
+_IDLE_POLL_SECONDS = 0.02
+"""How often a deletion waiting for a busy slot looks again (a generation marks no event when it ends)."""
+
+
+class CheckpointManager:
+    """Checkpoints and prompt cache for one model context, with one slot per sequence id.
+
+    Usually made by :func:`ckpt_plugin.attach`; can be built on any :class:`Backend`.
+
+    :param backend: Slot 0's sequence.
+    :param settings: Settings; keyword overrides are applied on top.
+    :param cache: A prompt cache to share with other managers of the same model; a private one by default.
+    :param disk: A disk tier to share likewise; by default one in ``settings.disk_dir`` if that is set.
+    :param shared: A shared tier (Redis); by default the process's one for ``settings.redis_url`` if that is set.
+    :param more_slots: The sequences of slots 1, 2, ... of the same context (same model fingerprint).
+    :ivar slots: The slots, by id.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        settings: CheckpointSettings | None = None,
+        cache: PromptCache | None = None,
+        disk: DiskTier | None = None,
+        shared: SharedTier | None = None,
+        *,
+        more_slots: Sequence[Backend] = (),
+        **overrides: Any,
+    ) -> None:
+        base = settings.model_dump() if settings is not None else {}
+        self.settings = CheckpointSettings(**{**base, **overrides})
+        self.kind = backend.kind
+        for other in more_slots:
+            if other.fingerprint != backend.fingerprint:
+                raise ValueError("every slot of an engine must be a sequence of the same model context")
+        min_step = self.settings.checkpoint_min_step or default_min_step(self.kind)
+        self.rules = CheckpointRules(self.settings.max_checkpoints, min_step)
+        settings = self.settings
+        if cache is None:
+            cache = TIERS.ram(None, settings.cache_max_bytes, settings.cache_max_tokens)
+        if disk is None and settings.disk_dir is not None:
+            disk = TIERS.disk(settings.disk_dir, settings.disk_max_bytes)
+        self.store = TieredStore(cache, disk, self, shared or TIERS.shared(settings))
+        self.counters = Counters()
+        self.plugins = ProjectPlugins(PROJECT_NAME)
+        self.plugins.add_hookspecs(hooks)
+        self.plugins.register(DefaultPlugin(), name=DEFAULT_PLUGIN_NAME)
+        self.hooks = HookRelay(self.plugins, self)
+        self.captures = Captures(self.kind, backend.fingerprint, self.store, self.counters, self.hooks)
+        self._clearing = threading.Lock()  # one clear_cache at a time (see there)
+        self.slots = [
+            SlotController(slot_id, slot_backend, self.settings, self.rules, self.store, self.counters, self.hooks,
+                           self.captures)
+            for slot_id, slot_backend in enumerate((backend, *more_slots))
+        ]
+        if self.settings.load_entrypoints:
+            self.plugins.load_setuptools_entrypoints(PROJECT_NAME)
+            # A misspelled hook implementation in an installed plugin fails here, not silently.
+            self.plugins.check_pending()
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the context (every state the engine captures carries it)."""
+        return self.captures.fingerprint
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # hooks
+
+    @property
+    def cache(self) -> PromptCache:
+        """The RAM tier (the budget of every state byte)."""
+        return self.store.ram
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier, if any."""
+        return self.store.disk
+
+    # store events (see ckpt_plugin.tiers.store.StoreEvents)
+
+    def allow_admission(self, entry: CacheEntry, n_bytes: int) -> bool:
+        # A None from every plugin admits the entry.
+        return self.hooks.call(self.hooks.hook.on_cache_alloc, namespace=entry.namespace, n_tokens=entry.n_tokens,
+                               n_bytes=n_bytes) is not False
+
+    def select_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = Tier.RAM) -> Sequence[Any]:
+        return self.hooks.call(self.hooks.hook.select_cache_victims, entries=entries, n_bytes=n_bytes, tier=tier) or []
+
+    def evicted(self, entry: CacheEntry, reason: str) -> None:
+        if reason == "budget":
+            self.counters.add(cache_evictions=1)
+        self.hooks.call(self.hooks.hook.on_cache_evict, entry=entry, reason=reason)
+
+    def admitted(self, entry: CacheEntry) -> None:
+        self.counters.add(cache_saves=1)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # slot 0: the slot of an attached Llama
+
+    @property
+    def slot(self) -> Slot:
+        """Slot 0's tokens, lineage and checkpoints."""
+        return self.slots[0].slot
+
+    @property
+    def backend(self) -> Backend:
+        """Slot 0's sequence."""
+        return self.slots[0].backend
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Slot 0's lock: held by the host-facing layer while a request uses the slot."""
+        return self.slots[0].lock
+
+    def prepare(self, prompt: Sequence[int] | np.ndarray, max_keep: int | None = None) -> int:
+        """Slot 0's :meth:`~ckpt_plugin.engine.slot_controller.SlotController.prepare`."""
+        return self.slots[0].prepare(prompt, max_keep)
+
+    def process(self, tokens: Sequence[int] | np.ndarray, prompt_end: int | None = None) -> None:
+        """Slot 0's :meth:`~ckpt_plugin.engine.slot_controller.SlotController.process`."""
+        self.slots[0].process(tokens, prompt_end)
+
+    def plan(self, prompt: np.ndarray, max_keep: int | None = None) -> Plan[CacheEntry]:
+        """Slot 0's :meth:`~ckpt_plugin.engine.slot_controller.SlotController.plan`."""
+        return self.slots[0].plan(prompt, max_keep)
+
+    def checkpoint(self) -> Checkpoint | None:
+        """Take a partial checkpoint of slot 0 now (see :meth:`~ckpt_plugin.engine.slot_memory.SlotMemory.checkpoint`)."""
+        return self.slots[0].checkpoint()
+
+    def save(self) -> CacheEntry:
+        """Slot 0's full state with its checkpoints (see :meth:`~ckpt_plugin.engine.slot_memory.SlotMemory.save`)."""
+        return self.slots[0].save()
+
+    def load(self, entry: CacheEntry) -> int:
+        """Restore ``entry`` into slot 0 (see :meth:`~ckpt_plugin.engine.slot_memory.SlotMemory.load`)."""
+        return self.slots[0].load(entry)
+
+    def save_to_cache(self) -> CacheEntry | None:
+        """Put slot 0's state into the prompt cache; the entry, or ``None`` if it was not admitted."""
+        return self.slots[0].save_to_cache()
+
+    def clear_slot(self) -> None:
+        """Empty slot 0 (memory, tokens, checkpoints)."""
+        self.slots[0].clear_slot()
+
+    def reconcile(self) -> None:
+        """Bring slot 0 in line with its memory if something outside the engine changed it."""
+        self.slots[0].reconcile()
+
+    def adopt_memory(self, tokens: np.ndarray) -> None:
+        """Slot 0's memory was loaded outside the engine and holds ``tokens``."""
+        self.slots[0].adopt_memory(tokens)
+
+    def current_namespace(self) -> str:
+        """The namespace of the request being served (the manager's own outside a request scope)."""
+        return self.slots[0].current_namespace()
+
+    def enter_namespace(self, namespace: str) -> None:
+        """Make slot 0 serve ``namespace`` (another tenant's live state is parked first)."""
+        self.slots[0].enter_namespace(namespace)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # the store
+
+    def use_shared_tiers(self, cache: PromptCache, disk: DiskTier | None = None) -> None:
+        """Serve from ``cache`` (and ``disk``) from now on, e.g. a cache shared with other managers; the entries of
+        the cache used so far move over (within the new budget)."""
+        if cache is not self.cache:
+            old = self.store.ram
+            for controller in self.slots:
+                old.pin(controller.slot, ())
+            self.store.ram = cache
+            for entry in old.clear():
+                self.store.admit(entry, write_through=False)
+            for controller in self.slots:
+                controller.pin_slot()
+        if disk is not None:
+            self.store.disk = disk
+
+    def admit(self, entry: CacheEntry, write_through: bool = True) -> bool:
+        """Offer ``entry`` to the prompt cache through the ``on_cache_alloc`` veto and ``select_cache_victims``
+        (evictions fire ``on_cache_evict``), and write it through to the disk tier; return whether a tier holds it.
+        """
+        return self.store.admit(entry, write_through)
+
+    def clear_cache(self, namespace: str | None = None, wait: float | None = None) -> Cleared:
+        """Forget ``namespace``'s state (everyone's, for ``None``) in every tier the plugin owns: the RAM cache,
+        the disk tier's files, the shared tier's partition of this model, and the live slots that hold that state.
+
+        A generation using one of those slots finishes first: emptied under a live stream, a slot would make the
+        stream evaluate its whole context again at its next token (and reply from another evaluation). While it
+        waits, the slots already found idle are held, so that no generation starts on them, nor restores what is
+        about to be deleted, and a busy server cannot keep the deletion waiting for ever. Then every slot's lock is
+        held throughout the deletions, so that no request of the tenant can restore from a tier between two of them.
+
+        :param wait: The most seconds to wait for those generations (``None``: as long as they take).
+        :return: The entries deleted over every tier, an ``int`` (:class:`~ckpt_plugin.core.counters.Cleared`) whose
+            ``tiers`` has the count per tier and how many slots were emptied.
+        :raises SlotBusyError: A generation still used one of the slots after ``wait`` seconds; nothing was deleted.
+        """
+        deadline = None if wait is None else time.monotonic() + wait
+
+        def in_scope(controller: SlotController) -> bool:
+            return namespace is None or controller.slot.namespace == namespace
+
+        with self._clearing:
+            while True:
+                with contextlib.ExitStack() as held:
+                    # The slots to empty first, each once idle, then the others (only this method holds several
+                    # slots' locks at once, one call at a time: no other order to deadlock with).
+                    mine = [c for c in self.slots if in_scope(c)]
+                    for controller in mine:
+                        self._hold_when_idle(controller, namespace, deadline, held)
+                    for controller in self.slots:
+                        if controller not in mine:
+                            held.enter_context(controller.lock)
+                    if any(c.busy and in_scope(c) for c in self.slots):
+                        continue  # a generation of the tenant started on another slot meanwhile: wait for it too
+                    emptied = 0
+                    for controller in self.slots:
+                        if in_scope(controller):
+                            controller.reconcile()
+                            emptied += int(controller.slot.n_tokens > 0 or bool(controller.slot.checkpoints))
+                            controller.clear_slot()
+                    tiers = self.store.forget(namespace, self.fingerprint)
+                    return Cleared({**tiers, "slot": emptied})
+
+    @staticmethod
+    def _hold_when_idle(controller: SlotController, namespace: str | None, deadline: float | None,
+                        held: contextlib.ExitStack) -> None:
+        """Hold ``controller``'s lock once no generation of ``namespace`` uses the slot (any, for ``None``).
+
+        A generation takes the slot's lock only between its tokens, and marks the slot busy from its prepare to its
+        end: the lock held with the slot not busy (or busy for another tenant) means no generation of the tenant
+        is under way there, and none can start.
+
+        :raises SlotBusyError: Still in use at ``deadline``.
+        """
+        while True:
+            controller.lock.acquire()
+            slot = controller.slot
+            if not (controller.busy and (namespace is None or slot.namespace == namespace)):
+                held.callback(controller.lock.release)
+                return
+            controller.lock.release()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise SlotBusyError(f"slot {slot.id} was still generating when the deletion had waited as long as it "
+                                    "may; nothing was deleted: retry")
+            time.sleep(_IDLE_POLL_SECONDS)
+
+    def resize_cache(self, max_bytes: int) -> None:
+        """Change the prompt cache's byte budget (validated like ``cache_max_bytes``), evicting to fit."""
+        self.settings.cache_max_bytes = max_bytes
+        self.store.resize(max_bytes)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # views and slot files (their own modules)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters plus memory figures (see :func:`ckpt_plugin.services.stats.manager_stats`); safe from any thread."""
+        return manager_stats(self)
+
+    def describe(self, namespace: str | None = None) -> dict[str, Any]:
+        """The slot, its checkpoints and the cache entries (see :func:`ckpt_plugin.services.stats.describe`)."""
+        return describe(self, namespace)
+
+    def save_slot(self, path: str | os.PathLike[str], namespace: str | None = None, slot_id: int = 0) -> dict[str, Any]:
+        """Write slot ``slot_id`` to a slot file (see :func:`ckpt_plugin.services.slot_files.save_slot`)."""
+        return save_slot(self.slots[slot_id], path, namespace)
+
+    def restore_slot(
+        self, path: str | os.PathLike[str], namespace: str | None = None, slot_id: int = 0
+    ) -> dict[str, Any]:
+        """Restore slot ``slot_id`` from a slot file (see :func:`ckpt_plugin.services.slot_files.restore_slot`)."""
+        return restore_slot(self.slots[slot_id], path, namespace)
+
+    def erase_slot(self, namespace: str | None = None, slot_id: int = 0) -> dict[str, Any]:
+        """Empty slot ``slot_id`` if it holds ``namespace``'s state (see :func:`ckpt_plugin.services.slot_files.erase_slot`)."""
+        return erase_slot(self.slots[slot_id], namespace)
+
+    def flush(self) -> None:
+        """Put every live slot into the cache (and so into the disk tier), e.g. before the process exits."""
+        for controller in self.slots:
+            with controller.lock:
+                controller.reconcile()
+                if controller.slot.n_tokens >= self.settings.cache_min_tokens:
+                    controller.save_to_cache()
+
+    def close(self) -> None:
+        """Drop the slots' checkpoints and tell the plugins the manager is going away."""
+        for controller in self.slots:
+            controller.close()
+        self.hooks.call(self.hooks.hook.on_detach)

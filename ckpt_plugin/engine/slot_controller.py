@@ -1,0 +1,287 @@
+"""One slot of an engine: a sequence id of the model context, its live memory, lineage and checkpoints.
+
+The engine (:class:`~ckpt_plugin.engine.manager.CheckpointManager`) holds the parts every slot shares (settings, the store,
+the counters, the hooks, the captures); a :class:`SlotController` applies plans to its own sequence through its own
+:class:`~ckpt_plugin.core.slot.Backend`. Checkpoints and cache entries are immutable and shared by reference between slots
+and the cache: an entry saved from one slot restores into any other of the same context.
+
+Data flows one way: the host asks a slot to :meth:`~SlotController.prepare` a prompt and to
+:meth:`~SlotController.process` the tokens that remain. The plan comes from :func:`~ckpt_plugin.policy.plan.plan_prompt`
+over the store's candidates; the slot captures and restores through :class:`~ckpt_plugin.engine.captures.Captures`, fires the
+hooks, counts, and keeps its checkpoints and the store's pins consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.tiers.cost_probes import CostProbe, live_keep
+from ckpt_plugin.policy.costs import PlanClock
+from ckpt_plugin.core.errors import StateRestoreError
+from ckpt_plugin.policy.plan import LiveMemory, Plan, plan_prompt, swa_threshold
+from ckpt_plugin.policy.schedule import branch_point, pause_points
+from ckpt_plugin.core.request import RequestInterrupted, current_request
+from ckpt_plugin.engine.slot_memory import SlotMemory
+from ckpt_plugin.tiers.protocol import Tier
+
+log = logging.getLogger("ckpt_plugin")
+
+_WINDOW_ATTEMPTS = 3
+"""Plans applied at most for one prompt when other slots' decodes keep taking the window's cells meanwhile."""
+
+
+class SlotController(SlotMemory):
+    """One slot of an engine: :class:`SlotMemory` plus the request path (namespaces, plans, evaluation)."""
+
+    def current_namespace(self) -> str:
+        """The namespace of the request being served (the manager's own outside a request scope)."""
+        scope = current_request.get()
+        return scope.namespace if scope is not None and scope.namespace else self.settings.namespace
+
+    def enter_namespace(self, namespace: str) -> None:
+        """Never let one tenant reuse another's live state: park it in its owner's partition first."""
+        slot = self.slot
+        if slot.namespace == namespace:
+            return
+        if slot.n_tokens >= self.settings.cache_min_tokens and not self.opaque:
+            self.save_to_cache()
+        self.clear_slot()
+        slot.namespace = namespace
+
+    def plan(self, prompt: np.ndarray, max_keep: int | None = None) -> Plan[CacheEntry]:
+        """How ``prompt`` would be served (see :func:`~ckpt_plugin.policy.plan.plan_prompt`).
+
+        Changes nothing but what the disk tier read of the candidates it fetched: counting, promotion and restores
+        are :meth:`prepare`'s.
+        """
+        slot = self.slot
+        live = LiveMemory(slot.lineage, slot.n_tokens, int(self.backend.pos_min()), slot.checkpoints)
+        rates = self.costs.active_rates()
+        probe = CostProbe(self.costs, rates, len(prompt), lambda: live_keep(self.kind, live, prompt, max_keep))
+        hits = self.store.lookup(slot.namespace, self.fingerprint, prompt, self.kind, max_keep, probe)
+        plan = plan_prompt(self.kind, prompt, live, hits, self.settings.cache_min_discard,
+                           self.settings.cache_min_tokens, max_keep, rates)
+        self.fetch_seconds = probe.fetch_seconds
+        return plan
+
+    def prepare(self, prompt: Sequence[int] | np.ndarray, max_keep: int | None = None) -> int:
+        """Make the memory hold the longest prefix of ``prompt`` that can be served without evaluation.
+
+        Looks at the live memory, the slot's checkpoints and every tier of the store; saves the live state into the
+        cache first when the new prompt would discard enough of it. At least one prompt token is always left to
+        evaluate.
+
+        :param max_keep: Keep at most this many tokens (see :func:`~ckpt_plugin.policy.plan.plan_prompt`).
+        :return: ``n_keep``: the memory now holds ``prompt[:n_keep]``.
+        """
+        prompt = np.asarray(prompt, dtype=np.int32)
+        slot = self.slot
+        self.reconcile()
+        # A prompt is served from what token ids name: positions written from outside are dropped first.
+        self.discard_opaque()
+        self.enter_namespace(self.current_namespace())
+        self.counters.add(prompts=1)
+        just_loaded = self._loaded_from_cache == slot.version
+        plan, window = self._settle(prompt, max_keep)
+        entry, n_keep = plan.entry, plan.n_keep
+        started = time.perf_counter()
+        try:
+            plan = self._apply_checked(plan, window, prompt, max_keep)
+            entry, n_keep = plan.entry, plan.n_keep
+        except StateRestoreError as exc:
+            # The slot was cleared: serve the request by evaluating its whole prompt, as the host alone would.
+            log.warning("restore failed, evaluating the whole prompt: %s", exc)
+            self.counters.add(restore_failures=1)
+            entry, n_keep = None, 0
+        # Tokens the plan chose to evaluate although it could keep them are the cost model's, not forced.
+        live, kept = plan.live, max(n_keep, plan.live.n_keep) if plan.by_cost and entry is None else n_keep
+        if entry is None and kept < live.n_common:
+            self.counters.add(forced_reprocess=1, tokens_reprocessed=live.n_common - kept)
+            reason = (
+                "recurrent state cannot be truncated" if self.kind.recurrent else "sliding window lost the prefix"
+            )
+            log.info("re-processing %d tokens the memory shared with the prompt: %s", live.n_common - kept, reason)
+            self.hooks.call(self.hooks.hook.on_full_reprocess, slot=slot, n_common=live.n_common, reason=reason)
+        if entry is None and live.n_keep < max(len(prompt) - 1, 0) and not just_loaded and not plan.by_cost:
+            self.counters.add(cache_misses=1)
+        if plan.estimated_seconds > 0 and self.costs.calibrated:
+            self.plan_clock = PlanClock(plan.estimated_seconds, len(prompt), n_keep, plan.most_tokens, plan.tier,
+                                        plan.by_cost, plan.fetches_skipped,
+                                        self.fetch_seconds + time.perf_counter() - started)
+        self.counters.add(tokens_reused=n_keep)
+        self.pin_slot()
+        scope = current_request.get()
+        if scope is not None:
+            scope.prompt_tokens, scope.cached_tokens = len(prompt), n_keep
+        return n_keep
+
+    def _settle(self, prompt: np.ndarray, max_keep: int | None) -> tuple[Plan[CacheEntry], int]:
+        """:meth:`plan`, with what it asks for before the restore: its branch point, the promotion of an entry of a
+        lower tier, the live state parked; and where the sequence's window started when the plan looked."""
+        window = int(self.backend.pos_min())
+        plan = self.plan(prompt, max_keep)
+        self.branch_point = branch_point(self.kind, self.rules, plan)
+        if plan.entry is not None and plan.tier != Tier.RAM:
+            if plan.tier == Tier.DISK:
+                self.counters.add(disk_hits=1)
+            self.store.promote(plan.entry, plan.tier)
+        if plan.park_live:
+            self.save_to_cache()
+        return plan, window
+
+    def _apply_checked(self, plan: Plan[CacheEntry], window: int, prompt: np.ndarray,
+                       max_keep: int | None) -> Plan[CacheEntry]:
+        """:meth:`_apply` ``plan``, made when the window started at ``window``; return the plan applied.
+
+        The sequences of a context share its KV cells: a decode of another slot may take cells of this sequence's
+        sliding window that its own next token no longer sees (its end being further on), which moves ``pos_min``
+        up (llama.cpp keeps a sequence's positions contiguous, and nothing else moves it while this slot prepares).
+        A plan whose window moved since it looked is made again; after the restore or cut, the window must reach
+        back as far as the token at ``n_keep`` sees, which nothing can take from it any more. Were it taken in the
+        instant between the last look and the cut, the memory serves nothing of the prompt (its end no longer
+        continues): the slot is cleared and planned again from the tiers. No lock is held against the other slots'
+        decodes, which a batching host runs together.
+        """
+        for attempt in range(1, _WINDOW_ATTEMPTS + 1):
+            if self.kind.swa and attempt < _WINDOW_ATTEMPTS and int(self.backend.pos_min()) != window:
+                log.debug("slot %d: another sequence took cells of its window since the plan; planning again",
+                          self.slot.id)
+                plan, window = self._settle(prompt, max_keep)
+                continue
+            self._apply(plan)
+            if self._window_serves(plan.n_keep):
+                return plan
+            log.info("slot %d: another sequence took cells of its window before the cut to %d tokens; clearing it",
+                     self.slot.id, plan.n_keep)
+            self.clear_slot()
+            if attempt < _WINDOW_ATTEMPTS:
+                plan, window = self._settle(prompt, max_keep)
+        raise StateRestoreError(f"the window of slot {self.slot.id} kept moving under its plans; the slot was cleared")
+
+    def _window_serves(self, n_keep: int) -> bool:
+        """Whether the memory, cut to ``n_keep`` tokens, holds the window the token at ``n_keep`` sees (-1: the cut
+        left nothing of a window taken past it)."""
+        if not self.kind.swa or n_keep == 0:
+            return True
+        return 0 <= int(self.backend.pos_min()) <= swa_threshold(self.kind, n_keep)
+
+    def _apply(self, plan: Plan[CacheEntry]) -> None:
+        """Make the memory hold ``plan.n_keep`` tokens: truncate, or restore the entry and/or a checkpoint."""
+        slot, entry, n_keep = self.slot, plan.entry, plan.n_keep
+        if not plan.needs_restore:
+            if n_keep < slot.n_tokens:
+                self._cut(n_keep)
+            return
+        started = time.perf_counter()
+        if entry is not None:
+            self.counters.add(cache_hits=1)
+            self.hooks.call(self.hooks.hook.on_cache_hit, slot=slot, entry=entry, n_tokens=n_keep)
+            if plan.restore_state:
+                self._restore(entry.state)
+            self.store.touch(entry)
+        if plan.checkpoint is not None:
+            self._restore(plan.checkpoint)
+            self.counters.add(checkpoints_restored=1)
+        self._cut(n_keep)
+        if entry is not None:
+            self._adopt(entry.tokens, entry.checkpoints, n_keep)
+        self.last_restore_seconds = time.perf_counter() - started
+        self.counters.add(restore_seconds=self.last_restore_seconds)
+        self.hooks.call(self.hooks.hook.on_slot_restore, slot=slot, checkpoint=plan.checkpoint, entry=entry,
+                        n_tokens=n_keep)
+
+    def process(self, tokens: Sequence[int] | np.ndarray, prompt_end: int | None = None) -> None:
+        """Evaluate ``tokens`` after the slot's end, pausing where checkpoints may be taken.
+
+        :param tokens: Tokens to evaluate.
+        :param prompt_end: Length of the prompt these tokens belong to; tokens past it are generated tokens and get
+            no checkpoints. Defaults to the end of ``tokens``.
+        :raises RequestInterrupted: The request being served was interrupted between two batches (its client left,
+            its time is up); the slot holds the tokens evaluated before.
+        """
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if len(tokens) and int(tokens.min()) < 0:
+            raise ValueError("negative token ids stand for media positions, which only their media chunk evaluates")
+        slot = self.slot
+        self.discard_opaque()
+        start = slot.n_tokens
+        end = start + len(tokens)
+        if prompt_end is None:
+            prompt_end = end
+        # Checkpoints past ``start`` belong to a lineage these tokens may rewrite: space from the valid ones.
+        last = max((c.n_tokens for c in slot.checkpoints if c.n_tokens <= start), default=0)
+        branch = self.branch_point
+        bounds = [start, *pause_points(self.kind, self.rules, start, end, prompt_end, last, branch), end]
+        for a, b in zip(bounds, bounds[1:]):
+            if a == b:
+                continue
+            chunk = tokens[a - start : b - start]
+            decoding = time.perf_counter()
+            try:
+                self.backend.decode(chunk)
+            except RequestInterrupted as exc:
+                # The request stopped between two batches of the chunk: the slot records what the memory holds.
+                if exc.evaluated:
+                    self._evaluated(chunk[: exc.evaluated], time.perf_counter() - decoding, prompt_end)
+                self.pin_slot()
+                raise
+            self._evaluated(chunk, time.perf_counter() - decoding, prompt_end,
+                            next_token=(b, int(tokens[b - start])) if b == branch and b < end else None)
+        if start < branch <= end:
+            self.branch_point = 0  # one prompt's, spent by the evaluation that passed it
+        self.pin_slot()
+
+    def process_media(self, ids: np.ndarray, decode: Callable[[], None], prompt_end: int) -> None:
+        """Evaluate one media chunk after the slot's end: ``decode`` fills its positions (llama.cpp's multimodal
+        helper), and the slot records them under ``ids`` (:func:`~ckpt_plugin.core.media.media_token_ids`), so that the
+        chunk is matched, cached and restored like tokens."""
+        self.discard_opaque()
+        decoding = time.perf_counter()
+        decode()
+        # Prompts often part right after an image (another question about it), and a chunk costs far more to
+        # encode than its positions suggest: its end is a branch point, where a checkpoint is wanted.
+        saved, self.branch_point = self.branch_point, self.slot.n_tokens + len(ids)
+        try:
+            self._evaluated(np.asarray(ids, dtype=np.int32), time.perf_counter() - decoding, prompt_end)
+        finally:
+            self.branch_point = saved
+        self.pin_slot()
+
+    def _evaluated(self, chunk: np.ndarray, seconds: float, prompt_end: int,
+                   next_token: tuple[int, int] | None = None) -> None:
+        """``chunk`` was just decoded after the slot's end in ``seconds``: the slot's record, counters and hooks.
+
+        :param next_token: ``(position, token)`` of the prompt's next token where it may leave the lineage (the
+            branch point).
+        """
+        slot = self.slot
+        a = slot.n_tokens
+        b = a + len(chunk)
+        self._decoded(a, b, seconds)
+        rewritten_from = slot._append(chunk)
+        if rewritten_from is not None:
+            self._invalidate_after(rewritten_from)
+        self.counters.add(tokens_evaluated=len(chunk))
+        # The last full capture describes the old memory: do not keep its bytes alive for nothing.
+        self._full_capture = None
+        if next_token is not None and next_token[0] < slot.n_lineage and slot.lineage[next_token[0]] != next_token[1]:
+            # The prompt leaves the lineage here: its checkpoints past this point go now rather than with the
+            # next chunk, so that the branch checkpoint is the newest.
+            self._invalidate_after(next_token[0])
+        if a < prompt_end:
+            self.hooks.call(self.hooks.hook.on_prompt_processed, slot=slot, start=a, end=b, prompt_end=prompt_end)
+
+    def _decoded(self, start: int, end: int, seconds: float) -> None:
+        """Tokens ``start:end`` were decoded in ``seconds``: an evaluation rate, and part of the prompt's plan."""
+        self.costs.observe_eval(end - start, seconds)
+        clock = self.plan_clock
+        if clock is not None and start < clock.prompt_end:
+            clock.seconds += seconds
+            if end >= clock.prompt_end:
+                self.plan_clock = None
+                self.costs.record_plan(clock)

@@ -1,0 +1,1 @@
+"""The ASGI layer: middleware, routes, request checks and guards, the admission queue, tenants, usage, metrics."""

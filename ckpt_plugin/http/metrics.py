@@ -1,0 +1,243 @@
+"""Prometheus metrics of checkpoint managers, through ``prometheus-client``.
+
+Counters and gauges are read from :meth:`CheckpointManager.stats` at scrape time (a custom collector, so nothing is
+counted twice); the restore latency histogram is fed by a plugin observing ``on_slot_restore``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from ckpt_plugin.plugins.hookspecs import hookimpl
+from ckpt_plugin.engine.manager import CheckpointManager
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+COUNTERS = {
+    "tokens_evaluated": "Prompt and generated tokens evaluated by the model",
+    "tokens_reused": "Prompt tokens served from memory, a checkpoint or the cache",
+    "cache_hits": "Prompts served from a prompt-cache entry",
+    "cache_misses": "Prompts the live memory could not fully serve and the cache did not help",
+    "cache_saves": "Entries put into the prompt cache",
+    "cache_evictions": "Entries evicted for the budget",
+    "checkpoints_created": "Checkpoints taken",
+    "checkpoints_restored": "Checkpoints restored",
+    "checkpoints_erased": "Checkpoints dropped from slots",
+    "forced_reprocess": "Prompts whose shared prefix could not be reused",
+    "tokens_reprocessed": "Shared prompt tokens evaluated again",
+    "capture_failures": "State captures that failed (no checkpoint taken)",
+    "bytes_copied": "State bytes copied by llama.cpp get/set calls",
+    "disk_hits": "Prompts served from a disk-tier entry",
+    "corrupt_files": "Slot and disk-tier files that failed validation (refused; disk-tier ones moved aside)",
+    "stood_aside": "Generations served as the host alone would: the memory held positions written outside the "
+                   "engine (image embeddings, a direct llama_decode) that no token id names",
+    "outside_writes_dropped": "Times positions written outside the engine were dropped before serving a prompt",
+}
+SHARED_COUNTERS = {
+    "hits": "Prompts served from a shared-tier entry",
+    "misses": "Shared-tier lookups that found no stored prefix of the prompt",
+    "lookups": "Shared-tier lookups (prompts whose prefix the local tiers could not fully serve)",
+    "errors": "Shared-tier commands that failed (unreachable, timed out, refused)",
+    "corrupt": "Shared-tier values that failed validation (dropped)",
+    "incomplete": "Shared-tier entries whose blobs the server had evicted",
+    "bytes_read": "Bytes read from the shared tier",
+    "bytes_written": "Bytes written to the shared tier",
+    "writes": "Entries written to the shared tier",
+    "write_errors": "Shared-tier writes that failed",
+    "write_drops": "Entries not written to the shared tier: queue full or server unavailable",
+    "round_trips": "Round trips to the shared-tier server on the request path (lookups and fetches)",
+    "write_round_trips": "Round trips to the shared-tier server of the write-behind thread",
+}
+SHARED_GAUGES = {
+    "queue_depth": "Entries waiting to be written to the shared tier",
+    "available": "1 while the shared-tier server answers, 0 while it is probed",
+}
+GAUGES = {
+    "resident_bytes": "Bytes of unique state buffers held by slots and the cache",
+    "referenced_bytes": "Bytes the same references would hold as copies",
+    "state_bytes": "State bytes the budget covers: entries, slot checkpoints and recycled buffers",
+    "state_budget_bytes": "The state byte budget (--checkpoint-budget)",
+    "pool_free_bytes": "Bytes of freed state buffers kept mapped for the next capture",
+    "cache_entries": "Prompt-cache entries",
+    "cache_tokens": "Tokens held by prompt-cache entries",
+    "slot_checkpoints": "Checkpoints held by the slot",
+    "disk_entries": "Entries in the disk tier",
+    "disk_bytes": "Bytes of the disk tier's files",
+}
+
+
+class ManagerCollector:
+    """Collects the stats of the managers ``managers()`` returns, labelled by model."""
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+        self._managers = managers
+
+    def collect(self) -> Iterator[Metric]:
+        managers = dict(self._managers())
+        stats = {model: manager.stats() for model, manager in managers.items()}
+        for name, doc in COUNTERS.items():
+            family = CounterMetricFamily(f"ckpt_{name}", doc, labels=["model"])
+            for model, values in stats.items():
+                family.add_metric([model], float(values[name]))
+            yield family
+        for name, doc in GAUGES.items():
+            family = GaugeMetricFamily(f"ckpt_{name}", doc, labels=["model"])
+            for model, values in stats.items():
+                family.add_metric([model], float(values[name]))
+            yield family
+
+
+SLOT_GAUGES: dict[str, str] = {
+    "busy": "1 while a request holds the slot",
+    "tokens": "Tokens the slot's memory holds",
+    "checkpoints": "Checkpoints the slot holds",
+}
+
+
+class SlotCollector:
+    """Per-slot gauges of the managers ``managers()`` returns, labelled by model and slot id (the parallel slots
+    of ``ckpt-serve --parallel``; a single attached ``Llama`` has slot 0)."""
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+        self._managers = managers
+
+    def collect(self) -> Iterator[Metric]:
+        rows = [
+            (model, controller) for model, manager in dict(self._managers()).items() for controller in manager.slots
+        ]
+        values = {
+            "busy": lambda controller: float(controller.busy),
+            "tokens": lambda controller: float(controller.slot.n_tokens),
+            "checkpoints": lambda controller: float(len(list(controller.slot.checkpoints))),
+        }
+        for name, doc in SLOT_GAUGES.items():
+            family = GaugeMetricFamily(f"ckpt_slot_{name}", doc, labels=["model", "slot"])
+            for model, controller in rows:
+                family.add_metric([model, str(controller.slot.id)], values[name](controller))
+            yield family
+
+
+class SharedTierCollector:
+    """Collects the counters, gauges and latencies of the shared tiers of the managers ``managers()`` returns,
+    labelled by server (its URL without credentials)."""
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+        self._managers = managers
+
+    def collect(self) -> Iterator[Metric]:
+        tiers = {id(m.store.shared): m.store.shared for m in self._managers().values() if m.store.shared is not None}
+        stats = [tier.stats() for tier in tiers.values()]
+        if not stats:
+            return
+        scalars = [(CounterMetricFamily, SHARED_COUNTERS.items()), (GaugeMetricFamily, SHARED_GAUGES.items())]
+        for family_type, names in scalars:
+            for name, doc in names:
+                family = family_type(f"ckpt_shared_{name}", doc, labels=["server"])
+                for values in stats:
+                    family.add_metric([values["url"]], float(values[name]))
+                yield family
+        # Each tier's prometheus_client histograms, one family per name over every server.
+        for attribute in ("lookup_histogram", "fetch_histogram"):
+            merged: Metric | None = None
+            for tier in tiers.values():
+                for metric in getattr(tier, attribute).collect():
+                    if merged is None:
+                        merged = metric
+                    else:
+                        merged.samples.extend(metric.samples)
+            if merged is not None:
+                yield merged
+
+
+COST_COUNTERS = {  # metric name: (key of CostModel.snapshot(), help)
+    "plans": ("plans", "Plans carried out with an estimate of their time"),
+    "plans_by_cost": ("plans_by_cost", "Plans that kept fewer tokens than they could because that was clearly faster"),
+    "tokens_recomputed_by_cost": ("tokens_recomputed_by_cost",
+                                  "Prompt tokens evaluated although a restore could have served them (it was slower)"),
+    "fetches_skipped_by_cost": ("fetches_skipped_by_cost",
+                                "Candidates of slower tiers not fetched because they could not be faster"),
+    "lookups_skipped_by_cost": ("lookups_skipped_by_cost",
+                                "Shared-tier lookups not made because even a hit could not be faster"),
+    "plan_estimated_seconds": ("estimated_seconds",
+                               "Estimated seconds of the plans (fetch, restore, evaluation of the rest of the prompt)"),
+    "plan_actual_seconds": ("actual_seconds", "Measured seconds of the same plans"),
+}
+
+
+class CostCollector:
+    """Collects each manager's measured rates and its plans' estimated against actual time, labelled by model."""
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+        self._managers = managers
+
+    def collect(self) -> Iterator[Metric]:
+        models = {model: manager.rules.costs for model, manager in self._managers().items()}
+        views = {model: costs.snapshot() for model, costs in models.items()}
+        eval_rate = GaugeMetricFamily("ckpt_eval_seconds_per_token", "Measured seconds per evaluated token, by the "
+                                      "smallest batch size of its bucket", labels=["model", "batch"])
+        latency = GaugeMetricFamily("ckpt_transfer_latency_seconds", "Measured fixed cost of one state transfer "
+                                    "(ram: restore into the context; capture; disk read; shared: round trip)",
+                                    labels=["model", "tier"])
+        bandwidth = GaugeMetricFamily("ckpt_transfer_bytes_per_second", "Measured bandwidth of state transfers",
+                                      labels=["model", "tier"])
+        for model, view in views.items():
+            for batch, seconds in view["eval_seconds_per_token"].items():
+                if seconds is not None:  # a batch size never measured has no rate of its own
+                    eval_rate.add_metric([model, batch], seconds)
+            for tier, rate in view["transfers"].items():
+                latency.add_metric([model, tier], rate["latency_seconds"])
+                bandwidth.add_metric([model, tier], rate["bytes_per_second"])
+        yield from (eval_rate, latency, bandwidth)
+        for name, (key, doc) in COST_COUNTERS.items():
+            family = CounterMetricFamily(f"ckpt_{name}", doc, labels=["model"])
+            for model, view in views.items():
+                family.add_metric([model], float(view[key]))
+            yield family
+        ratio = HistogramMetricFamily("ckpt_plan_time_ratio", "Actual / estimated time of each plan (its fetches, "
+                                      "restore and the evaluation of the rest of the prompt)", labels=["model"])
+        for model, costs in models.items():
+            buckets, _, total = costs.ratio_histogram()
+            ratio.add_metric([model], [("+Inf" if bound == float("inf") else str(bound), count)
+                                       for bound, count in buckets], total)
+        yield ratio
+
+
+class RestoreLatency:
+    """A plugin recording restore latency into a histogram."""
+
+    def __init__(self, histogram: Histogram, model: str) -> None:
+        self._observe = histogram.labels(model=model).observe
+
+    @hookimpl
+    def on_slot_restore(self, manager: CheckpointManager, slot: Any, checkpoint: object, entry: object,
+                        n_tokens: int) -> None:
+        self._observe(manager.slots[slot.id].last_restore_seconds)
+
+
+class Metrics:
+    """A registry for the managers of one server.
+
+    :param managers: Returns the current managers by model name.
+    """
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(ManagerCollector(managers))
+        self.registry.register(SharedTierCollector(managers))
+        self.registry.register(CostCollector(managers))
+        self.registry.register(SlotCollector(managers))
+        self.restore_seconds = Histogram(
+            "ckpt_restore_seconds", "Time to restore a checkpoint or cache entry", ["model"],
+            registry=self.registry, buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+        )
+
+    def watch(self, model: str, manager: CheckpointManager) -> None:
+        """Record ``manager``'s restore latencies under ``model``."""
+        manager.plugins.register(RestoreLatency(self.restore_seconds, model), name="ckpt_plugin.http.metrics")
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""The pluggy hook specifications, how the engine calls them, and the engine's own behaviour as a plugin."""

@@ -1,0 +1,1 @@
+"""What runs beside the engine through its public views: stats, slot files, publishing to the shared tier."""

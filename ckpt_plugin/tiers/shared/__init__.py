@@ -1,0 +1,1 @@
+"""The shared tier on Redis or Valkey: the tier, its value format, the write-behind thread."""
