@@ -168,6 +168,9 @@ class CheckpointMiddleware:
         await run_in_threadpool(self._publish)
 
     def _publish(self) -> None:
+        # After the response: the request's own limits (its client has gone, its time is up) no longer apply to what
+        # publishing evaluates (a draft model catching up before its state is captured).
+        current_request.set(None)
         for manager in unique_managers(self.managers()):
             if manager.store.shared is not None:
                 try:
