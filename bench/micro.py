@@ -48,7 +48,7 @@ from llama_cpp import Llama
 
 import ckpt_plugin
 from ckpt_plugin.core.checkpoint import StateBufferPool
-from ckpt_plugin.hosts.llama_cpp.context import _writable_start
+from ckpt_plugin.hosts.llama_cpp.context import writable_start
 from ckpt_plugin.core.buffers import SPARE_MAPPER
 
 PROMPT_TOKENS = 1500
@@ -56,10 +56,10 @@ ROTATING = "raw get partial, new np.empty per call, oldest of 32 freed"
 POOLED = "raw get partial, into the pool's recycled buffers"
 CREATE_AFTER_DECODE = "manager.checkpoint() (partial), after a decode"
 RAW_AFTER_DECODE = "raw get partial, preallocated buffer, after a decode"
-_u8_p = ctypes.POINTER(ctypes.c_uint8)
+U8_P = ctypes.POINTER(ctypes.c_uint8)
 
 
-def _flags(partial: bool) -> int:
+def state_flags(partial: bool) -> int:
     return llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else llama_cpp.LLAMA_STATE_SEQ_FLAGS_NONE
 
 
@@ -72,13 +72,13 @@ def warm_buffer(n_bytes: int) -> np.ndarray:
 
 def raw_get(ctx: Any, buffer: np.ndarray, partial: bool) -> Callable[[], int]:
     """``llama_state_seq_get_data_ext`` of sequence 0 into ``buffer`` (pointer computed once, outside the timing)."""
-    pointer, size, flags = buffer.ctypes.data_as(_u8_p), buffer.nbytes, _flags(partial)
+    pointer, size, flags = buffer.ctypes.data_as(U8_P), buffer.nbytes, state_flags(partial)
     return lambda: int(llama_cpp.llama_state_seq_get_data_ext(ctx, pointer, size, 0, flags))
 
 
 def raw_set(ctx: Any, buffer: np.ndarray, partial: bool) -> Callable[[], int]:
     """``llama_state_seq_set_data_ext`` of sequence 0 from ``buffer``."""
-    pointer, size, flags = buffer.ctypes.data_as(_u8_p), buffer.nbytes, _flags(partial)
+    pointer, size, flags = buffer.ctypes.data_as(U8_P), buffer.nbytes, state_flags(partial)
     return lambda: int(llama_cpp.llama_state_seq_set_data_ext(ctx, pointer, size, 0, flags))
 
 
@@ -104,11 +104,11 @@ def raw_get_fresh(ctx: Any, n_bytes: int, partial: bool, keep: collections.deque
 def raw_get_pooled(ctx: Any, n_bytes: int, pool: StateBufferPool, keep: collections.deque) -> Callable[[], None]:
     """The raw get into a buffer from ``pool``, kept in the bounded ``keep``: a checkpoint's destination (the memory
     of the one erased before it) with none of the manager's bookkeeping, and its pointer taken as the backend does."""
-    flags = _flags(True)
+    flags = state_flags(True)
 
     def run() -> None:
         buffer = pool.allocate(n_bytes)
-        llama_cpp.llama_state_seq_get_data_ext(ctx, _writable_start(buffer), n_bytes, 0, flags)
+        llama_cpp.llama_state_seq_get_data_ext(ctx, writable_start(buffer), n_bytes, 0, flags)
         keep.append(buffer)
 
     return run
@@ -207,7 +207,7 @@ def measure_capture(c: Context, other: Llama, repeats: int) -> dict[str, Samples
         CREATE_AFTER_DECODE: Case(setup=decode, run=lambda _: m.checkpoint()),
         RAW_AFTER_DECODE: Case(setup=decode, run=lambda _: raw_after_decode()),
         "llama_state_seq_get_size_ext (partial)": lambda: llama_cpp.llama_state_seq_get_size_ext(
-            c.ctx, 0, _flags(True)
+            c.ctx, 0, state_flags(True)
         ),
         "manager._capture(partial=False)": replacing(lambda: m.slots[0]._capture(partial=False)),
         "manager.save() (changed slot)": forced_save(m),

@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from ckpt_plugin.http.admission_queue import Admission, ServerBusy
+from ckpt_plugin.http.admission_queue import AdmissionQueue, ServerBusy
 
 
 def client() -> tuple[Any, Any]:
@@ -24,7 +24,7 @@ def client() -> tuple[Any, Any]:
 
 def test_waiters_are_served_in_arrival_order_and_the_queue_is_bounded() -> None:
     async def main() -> None:
-        admission = Admission(capacity=2, max_queued=2)
+        admission = AdmissionQueue(capacity=2, max_queued=2)
         order: list[int] = []
         receive, _ = client()
         assert await admission.enter(receive) and await admission.enter(receive)
@@ -54,7 +54,7 @@ def test_waiters_are_served_in_arrival_order_and_the_queue_is_bounded() -> None:
 
 def test_a_client_that_leaves_while_waiting_gives_its_place_up() -> None:
     async def main() -> None:
-        admission = Admission(capacity=1, max_queued=4)
+        admission = AdmissionQueue(capacity=1, max_queued=4)
         receive, _ = client()
         assert await admission.enter(receive)
         gone_receive, leave = client()

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_plugin import persist
+from ckpt_plugin.persist import layout, write as persist_write
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.checkpoint import Checkpoint, StateBufferPool, freeze
 from ckpt_plugin.core.errors import CheckpointError, IncompatibleStateError
@@ -126,7 +127,7 @@ def test_round_trip_of_empty_tokens_and_empty_blobs(tmp_path: Path, n_checkpoint
     assert read.n_tokens == 0 and read.state.target.nbytes == 0 and not read.tokens.flags.writeable
     assert read_header(path).n_tokens == 0
     if n_checkpoints == 0:
-        assert path.stat().st_size == persist.MIN_FILE_SIZE
+        assert path.stat().st_size == layout.MIN_FILE_SIZE
 
 
 def test_read_buffers_are_read_only_aligned_private_buffers(tmp_path: Path) -> None:
@@ -172,14 +173,14 @@ def test_writes_hand_the_buffers_themselves_to_the_file_in_chunks(tmp_path: Path
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     entry = make_entry(n_checkpoints=1, n_bytes=1000, draft=200)
     chunks: list[memoryview] = []
-    real = persist._write_chunk
+    real = persist_write._write_chunk
 
     def recording(file, chunk):  # noqa: ANN001
         chunks.append(chunk)
         return real(file, chunk)
 
-    monkeypatch.setattr(persist, "_write_chunk", recording)
-    monkeypatch.setattr(persist, "CHUNK_SIZE", 256)
+    monkeypatch.setattr(persist_write, "_write_chunk", recording)
+    monkeypatch.setattr(persist_write, "CHUNK_SIZE", 256)
     path = tmp_path / "slot"
     write_entry(path, entry, model_fingerprint=FP)
     from_target = [c for c in chunks if c.obj is entry.state.target]
@@ -511,6 +512,7 @@ CHILD = r"""
 import sys, time
 import numpy as np
 from ckpt_plugin import persist
+from ckpt_plugin.persist import layout, write as persist_write
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.checkpoint import Checkpoint, StateBufferPool, freeze
 
@@ -524,13 +526,13 @@ def entry(generation, n_bytes):
 if mode == "slow":
     persist.write_entry(path, entry(1, 16 << 20), model_fingerprint="fp")
     print("done 1", flush=True)
-    real = persist._write_chunk
+    real = persist_write._write_chunk
     def slow(file, chunk):
         n = real(file, chunk)
         print("chunk", n, flush=True)
         time.sleep(0.05)
         return n
-    persist._write_chunk = slow
+    persist_write._write_chunk = slow
     persist.write_entry(path, entry(2, 200 << 20), model_fingerprint="fp")
     print("done 2", flush=True)
 else:
@@ -566,7 +568,7 @@ def test_a_writer_killed_mid_save_leaves_the_earlier_file(tmp_path: Path) -> Non
         while big_chunks < 3:
             line = child.stdout.readline().split()
             assert line and line[0] == "chunk", f"writer ended early: {line}"
-            big_chunks += int(line[1]) == persist.CHUNK_SIZE
+            big_chunks += int(line[1]) == layout.CHUNK_SIZE
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
         rest = child.stdout.read()
@@ -575,8 +577,8 @@ def test_a_writer_killed_mid_save_leaves_the_earlier_file(tmp_path: Path) -> Non
             child.kill()
             child.wait()
     assert child.returncode == -signal.SIGKILL and "done 2" not in rest
-    temps = [p for p in tmp_path.iterdir() if p.name.startswith(persist.TEMP_PREFIX)]
-    assert len(temps) == 1 and temps[0].stat().st_size >= 3 * persist.CHUNK_SIZE, "killed while writing the temp"
+    temps = [p for p in tmp_path.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
+    assert len(temps) == 1 and temps[0].stat().st_size >= 3 * layout.CHUNK_SIZE, "killed while writing the temp"
     check_generation(path, 1, 16 << 20)
     # The stray temporary file is never taken for an entry.
     assert list(iter_entry_files(tmp_path)) == [path]
@@ -615,7 +617,7 @@ def test_a_failed_write_keeps_the_earlier_file_and_leaves_no_temp(tmp_path: Path
     first = make_entry(n_bytes=400)
     write_entry(path, first, model_fingerprint=FP)
     calls = 0
-    real = persist._write_chunk
+    real = persist_write._write_chunk
 
     def failing(file, chunk):  # noqa: ANN001
         nonlocal calls
@@ -624,7 +626,7 @@ def test_a_failed_write_keeps_the_earlier_file_and_leaves_no_temp(tmp_path: Path
             raise OSError(28, "No space left on device")
         return real(file, chunk)
 
-    monkeypatch.setattr(persist, "_write_chunk", failing)
+    monkeypatch.setattr(persist_write, "_write_chunk", failing)
     with pytest.raises(OSError, match="No space"):
         write_entry(path, make_entry(n_bytes=900), model_fingerprint=FP)
     assert sorted(tmp_path.iterdir()) == [path]
@@ -643,7 +645,7 @@ def test_files_are_private_to_the_owner(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", [
     "../x", "..", ".", "/etc/passwd", "a/b", "a\\b", ".hidden", "x\0y", "", "x\n", "x" * 256, "caf\u00e9",
-    "a b", "~root", "x/../y", persist.TEMP_PREFIX + "abc.tmp",
+    "a b", "~root", "x/../y", layout.TEMP_PREFIX + "abc.tmp",
 ])
 def test_unsafe_names_are_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(UnsafePathError):

@@ -23,7 +23,7 @@ from ckpt_plugin.core.errors import IncompatibleStateError, StateRestoreError
 from ckpt_plugin.policy.plan import MemoryKind, PartialSizes, partial_cells
 
 if TYPE_CHECKING:
-    from ckpt_plugin.plugins.relay import HookRelay
+    from ckpt_plugin.plugins.engine_hooks import EngineHooks
     from ckpt_plugin.core.slot import Backend, Slot
     from ckpt_plugin.core.counters import Counters
     from ckpt_plugin.tiers.store import TieredStore
@@ -45,7 +45,7 @@ class Captures:
     """
 
     def __init__(self, kind: MemoryKind, fingerprint: str, store: TieredStore, counters: Counters,
-                 hooks: HookRelay) -> None:
+                 hooks: EngineHooks) -> None:
         self.kind = kind
         self.fingerprint = fingerprint
         self.store = store

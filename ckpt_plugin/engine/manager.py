@@ -27,7 +27,7 @@ from ckpt_plugin.core.config import CheckpointSettings
 from ckpt_plugin.plugins.default import DEFAULT_PLUGIN_NAME, DefaultPlugin
 from ckpt_plugin.tiers.disk import DiskTier
 from ckpt_plugin.core.errors import SlotBusyError
-from ckpt_plugin.plugins.relay import HookRelay, ProjectPlugins
+from ckpt_plugin.plugins.engine_hooks import EngineHooks, ProjectPlugins
 from ckpt_plugin.plugins.hookspecs import PROJECT_NAME
 from ckpt_plugin.policy.plan import Plan
 from ckpt_plugin.policy.schedule import CheckpointRules, default_min_step
@@ -92,7 +92,7 @@ class CheckpointManager:
         self.plugins = ProjectPlugins(PROJECT_NAME)
         self.plugins.add_hookspecs(hooks)
         self.plugins.register(DefaultPlugin(), name=DEFAULT_PLUGIN_NAME)
-        self.hooks = HookRelay(self.plugins, self)
+        self.hooks = EngineHooks(self.plugins, self)
         self.captures = Captures(self.kind, backend.fingerprint, self.store, self.counters, self.hooks)
         self._clearing = threading.Lock()  # one clear_cache at a time (see there)
         self.slots = [

@@ -27,7 +27,7 @@ from ckpt_plugin.core.slot import Backend, Slot
 
 if TYPE_CHECKING:
     from ckpt_plugin.engine.captures import Captures
-    from ckpt_plugin.plugins.relay import HookRelay
+    from ckpt_plugin.plugins.engine_hooks import EngineHooks
     from ckpt_plugin.core.counters import Counters
     from ckpt_plugin.tiers.store import TieredStore
 
@@ -52,7 +52,7 @@ class SlotMemory:
     """
 
     def __init__(self, slot_id: int, backend: Backend, settings: CheckpointSettings, rules: CheckpointRules,
-                 store: TieredStore, counters: Counters, hooks: HookRelay, captures: Captures) -> None:
+                 store: TieredStore, counters: Counters, hooks: EngineHooks, captures: Captures) -> None:
         self.backend = backend
         self.settings = settings
         self.rules = rules

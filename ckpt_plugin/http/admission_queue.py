@@ -19,7 +19,7 @@ class ServerBusy(Exception):
     """Every slot is busy and the queue is full."""
 
 
-class Admission:
+class AdmissionQueue:
     """At most ``capacity`` generations at once, ``max_queued`` more waiting (see the module docstring).
 
     :param capacity: Generations at once (the slots).

@@ -19,7 +19,7 @@ It is a thin composition of one-job pieces:
   next token when their client disconnects; a stream that fails ends with an error event
   (:class:`~ckpt_plugin.http.generation.Generation`);
 - with parallel slots, generations wait for a slot in arrival order, and past a bounded queue get 503
-  (:class:`~ckpt_plugin.http.admission_queue.Admission`);
+  (:class:`~ckpt_plugin.http.admission_queue.AdmissionQueue`);
 - :class:`~ckpt_plugin.http.usage.UsageRewriter`: ``usage.prompt_tokens_details.cached_tokens`` on their responses;
 - with a shared tier, once a completion's response is sent, the live slot is offered to it
   (:func:`~ckpt_plugin.services.publishing.publish`), so the conversation's next turn can land on any replica.
@@ -40,7 +40,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ckpt_plugin.http.admission_queue import Admission, ServerBusy
+from ckpt_plugin.http.admission_queue import AdmissionQueue, ServerBusy
 from ckpt_plugin.http.body_limit import BodyLimitMiddleware, BodyTooLarge, ClientDisconnect, error_response, read_body
 from ckpt_plugin.core.config import ServeSettings
 from ckpt_plugin.http.generation import Generation, replay_body
@@ -78,7 +78,7 @@ class CheckpointMiddleware:
         settings: ServeSettings | None = None,
         api_key: str | None = None,
         guards: Mapping[str, RouteGuard] | None = None,
-        admission: Admission | None = None,
+        admission: AdmissionQueue | None = None,
     ) -> None:
         self.app = app
         self.admission = admission

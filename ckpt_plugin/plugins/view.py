@@ -62,7 +62,7 @@ class EngineView(Protocol):
     """An engine: slots over one store, with settings, rules, counters and plugins they share.
 
     :ivar slots: The slots, by id (``slot.id`` indexes it).
-    :ivar hooks: Calls the plugins' hooks with ``manager`` bound (:class:`~ckpt_plugin.plugins.relay.HookRelay`).
+    :ivar hooks: Calls the plugins' hooks with ``manager`` bound (:class:`~ckpt_plugin.plugins.engine_hooks.EngineHooks`).
     """
 
     settings: CheckpointSettings

@@ -11,7 +11,7 @@ import llama_cpp.server.app as host
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 
 from ckpt_plugin.hosts.llama_cpp import compat as host_compat
-from ckpt_plugin.http.admission_queue import Admission
+from ckpt_plugin.http.admission_queue import AdmissionQueue
 from ckpt_plugin.core.config import ServeSettings
 from ckpt_plugin.http.grammar_guard import GrammarGuard
 from ckpt_plugin.http.middleware import CheckpointMiddleware
@@ -46,7 +46,7 @@ def create_app(
     app.state.grammar_guard = grammars
     admission = None
     if settings.parallel > 1:
-        admission = Admission(settings.parallel, settings.max_queued)
+        admission = AdmissionQueue(settings.parallel, settings.max_queued)
         serve_without_the_host_lock(app)
     app.state.admission = admission
     # Every route the host serves is guarded by what it does: llama_cpp.server answers a bad body with a 500, and a

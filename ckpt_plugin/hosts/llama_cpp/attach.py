@@ -29,14 +29,21 @@ from ckpt_plugin.tiers.ram import PromptCache
 from ckpt_plugin.core.config import CheckpointSettings
 from ckpt_plugin.tiers.disk import DiskTier
 from ckpt_plugin.core.errors import UnsupportedHostError
-from ckpt_plugin.hosts.llama_cpp.logprobs import CompletionTrace, LogprobsRequest, stop_sequences
+from ckpt_plugin.hosts.llama_cpp.host_logprobs import completion_with_host_logprobs
+from ckpt_plugin.hosts.llama_cpp.logprobs import LogprobsRequest, stop_sequences
 from ckpt_plugin.hosts.llama_cpp.logits import generation_needs
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.core.request import RequestInterrupted, current_request
 from ckpt_plugin.engine.slot_controller import SlotController
 from ckpt_plugin.hosts.llama_cpp.backend import HostRows, LlamaBackend
-from ckpt_plugin.hosts.llama_cpp.context import _version_tuple
-from ckpt_plugin.hosts.llama_cpp.host_cache import HostPromptCache, SharedLlamaState, _tiers_for_host_cache, host_only_known, mark_host_only
+from ckpt_plugin.hosts.llama_cpp.context import version_tuple
+from ckpt_plugin.hosts.llama_cpp.host_cache import (
+    HostPromptCache,
+    SharedLlamaState,
+    host_only_known,
+    mark_host_only,
+    tiers_for_host_cache,
+)
 from ckpt_plugin.hosts.llama_cpp.multimodal import MediaFlow, install_relay, remove_relay
 from ckpt_plugin.hosts.llama_cpp.outside_writes import same_handle
 
@@ -61,7 +68,7 @@ class _Generation:
         self.finished = False
 
 
-class _Attachment:
+class Attachment:
     """The patches installed on one ``Llama`` and what they replaced.
 
     Ownership (``docs/design.md``, "Who owns the slot"): the manager's lock is held only inside the synchronous
@@ -233,79 +240,14 @@ class _Attachment:
         self, completion: Iterator[Any], reads: tuple[bool, bool], logprobs: LogprobsRequest | None = None
     ) -> Iterator[Any]:
         """Iterate the host's ``completion`` for a request reading ``reads`` (``(logprobs, echo)``); with
-        ``logprobs``, the host runs without them and they are filled in (:meth:`_completion_with_host_logprobs`)."""
+        ``logprobs``, the host runs without them and they are filled in (:func:`~ckpt_plugin.hosts.llama_cpp.host_logprobs.completion_with_host_logprobs`)."""
         # The host's body runs on the first next(): it calls generate() within this very call, which takes the reads
         # (so the rows are kept even though the host itself is not asked for logprobs).
         self.pending_reads = reads
         if logprobs is None:
             yield from completion
         else:
-            yield from self._completion_with_host_logprobs(completion, logprobs)
-
-    def _completion_with_host_logprobs(self, completion: Iterator[Any], request: LogprobsRequest) -> Iterator[Any]:
-        """The host's response to a logprobs request, with the logprobs it would have computed.
-
-        The host's ``completion`` runs with ``logprobs=None``. Its ``generate`` call is watched (a wrapper installed
-        on the instance for its first ``next()`` only, the call in which the host calls ``generate``) by a
-        :class:`~ckpt_plugin.hosts.llama_cpp.logprobs.CompletionTrace`, which learns the prompt and completion tokens.
-        Non-streamed: the single response gets ``logprobs`` computed from the rows after the generation, where the
-        host computes them. Streamed: without logprobs the host groups tokens into chunks differently, so its chunks
-        are dropped and the trace's replay of the logprobs loop (one chunk per token, computed as each token arrived)
-        is yielded in their place, then its tail, then the host's final chunk.
-        """
-        llama = self.llama
-        vocab = llama_cpp.llama_model_get_vocab(llama.model)
-        trace = CompletionTrace(
-            detokenize=llama.detokenize,
-            log_softmax=Llama.logits_to_logprobs,
-            scores=lambda: llama.scores[: llama.n_tokens, :],
-            is_eog=lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token)),
-            bos_token_id=llama.token_bos(),
-            request=request,
-        )
-        end = object()
-        template: dict[str, Any] | None = None
-        try:
-            generate = llama.generate
-
-            def watched_generate(tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
-                # No reference to the watcher is kept here: the host's loop owns it, and dropping it (a break)
-                # closes the generation at once, as without the watcher.
-                return trace.watch(tokens, generate(tokens, *args, **kwargs))
-
-            llama.generate = watched_generate
-            try:
-                chunk = next(completion, end)
-            finally:
-                if llama.__dict__.get("generate") is watched_generate:
-                    llama.generate = generate
-            if not request.stream:
-                if chunk is not end:
-                    chunk["choices"][0]["logprobs"] = trace.logprobs(llama.scores[: llama.n_tokens, :])
-                    yield chunk
-                yield from completion
-                return
-            while chunk is not end:
-                template = chunk
-                if trace.error is not None:
-                    yield from trace.take(chunk)
-                    raise trace.error
-                if chunk["choices"][0]["finish_reason"] is None:
-                    yield from trace.take(chunk)  # the host's own chunk stands for tokens the trace yields itself
-                else:
-                    trace.tail()
-                    yield from trace.take(chunk)
-                    yield chunk
-                chunk = next(completion, end)
-        except Exception:
-            # What the host had yielded before failing (it yields as it goes) still reaches the client.
-            if template is not None and trace.pending:
-                yield from trace.take(template)
-            raise
-        finally:
-            close = getattr(completion, "close", None)
-            if close is not None:
-                close()
+            yield from completion_with_host_logprobs(self.llama, completion, logprobs)
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
         bound = self._generate_signature.bind(self.llama, tokens, *args, **kwargs)
@@ -393,7 +335,7 @@ class _Attachment:
             self.llama.cache = cache
             return
         with self.controller.lock:
-            self.manager.use_shared_tiers(*_tiers_for_host_cache(cache, self.manager.settings))
+            self.manager.use_shared_tiers(*tiers_for_host_cache(cache, self.manager.settings))
         self.llama.cache = HostPromptCache(self.manager, self.llama)
 
 
@@ -436,7 +378,7 @@ def attach(
     """
     if not isinstance(llama, Llama):
         raise UnsupportedHostError(f"attach() needs a llama_cpp.Llama, got {type(llama).__name__}")
-    version = _version_tuple(getattr(llama_cpp, "__version__", "0"))
+    version = version_tuple(getattr(llama_cpp, "__version__", "0"))
     low, high = TESTED_VERSIONS
     if not (low <= version < high):
         raise UnsupportedHostError(
@@ -451,7 +393,7 @@ def attach(
         raise UnsupportedHostError("this Llama has no context memory (vocab_only, closed, or created without one)")
     backend = LlamaBackend(llama)
     manager = CheckpointManager(backend, settings, cache=cache, disk=disk, **overrides)
-    attachment = _Attachment(llama, manager, backend, manager.slots[0])
+    attachment = Attachment(llama, manager, backend, manager.slots[0])
     attachment.install()
     manager.hooks.call(manager.hooks.hook.on_attach)
     return manager

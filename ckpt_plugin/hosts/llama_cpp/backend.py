@@ -13,7 +13,7 @@ from ckpt_plugin.hosts.llama_cpp import compat as host
 from ckpt_plugin.hosts.llama_cpp.logits import EVERY_ROW, NO_ROWS, LogitsNeeds, max_keep
 from ckpt_plugin.policy.plan import common_prefix
 from ckpt_plugin.core.request import RequestInterrupted, current_request
-from ckpt_plugin.hosts.llama_cpp.context import _flags, _u8_p, _writable_start, fingerprint, memory_kind
+from ckpt_plugin.hosts.llama_cpp.context import state_flags, U8_P, writable_start, fingerprint, memory_kind
 from ckpt_plugin.hosts.llama_cpp.outside_writes import OUTSIDE_WRITES, engine_writes
 
 
@@ -192,11 +192,11 @@ class LlamaBackend(HostRows):
         return self.llama.ctx
 
     def state_size(self, partial: bool) -> int:
-        return int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, _flags(partial)))
+        return int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, state_flags(partial)))
 
     def read_state(self, buffer: np.ndarray, partial: bool) -> int:
         return int(
-            llama_cpp.llama_state_seq_get_data_ext(self._ctx, _writable_start(buffer), buffer.nbytes, 0, _flags(partial))
+            llama_cpp.llama_state_seq_get_data_ext(self._ctx, writable_start(buffer), buffer.nbytes, 0, state_flags(partial))
         )
 
     def write_state(self, buffer: np.ndarray, partial: bool) -> int:
@@ -204,7 +204,7 @@ class LlamaBackend(HostRows):
         with engine_writes():
             return int(
                 llama_cpp.llama_state_seq_set_data_ext(
-                    self._ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, 0, _flags(partial)
+                    self._ctx, buffer.ctypes.data_as(U8_P), buffer.nbytes, 0, state_flags(partial)
                 )
             )
 

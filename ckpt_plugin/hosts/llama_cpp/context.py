@@ -22,10 +22,10 @@ from llama_cpp.llama_speculative import LlamaDraftModel  # noqa: F401  (the base
 
 from ckpt_plugin.policy.plan import MemoryKind
 
-_u8_p = ctypes.POINTER(ctypes.c_uint8)
+U8_P = ctypes.POINTER(ctypes.c_uint8)
 
 
-def _writable_start(buffer: np.ndarray) -> Any:
+def writable_start(buffer: np.ndarray) -> Any:
     """A ``uint8 *`` argument for ``buffer``'s first byte.
 
     ctypes' own view of the buffer: numpy's ``buffer.ctypes.data_as`` goes through Python-level helpers that cost
@@ -36,7 +36,7 @@ def _writable_start(buffer: np.ndarray) -> Any:
     return ctypes.byref(ctypes.c_uint8.from_buffer(buffer))
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
+def version_tuple(text: str) -> tuple[int, ...]:
     parts = []
     for piece in text.split(".")[:3]:
         digits = "".join(ch for ch in piece if ch.isdigit())
@@ -44,7 +44,7 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _flags(partial: bool) -> int:
+def state_flags(partial: bool) -> int:
     return llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else llama_cpp.LLAMA_STATE_SEQ_FLAGS_NONE
 
 

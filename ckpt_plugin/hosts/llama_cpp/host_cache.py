@@ -102,7 +102,7 @@ class HostPromptCache(BaseLlamaCache):
             self.manager.admit(value.entry)
 
 
-def _tiers_for_host_cache(
+def tiers_for_host_cache(
     cache: BaseLlamaCache, settings: CheckpointSettings
 ) -> tuple[PromptCache, DiskTier | None]:
     """The prompt cache (and disk tier) standing for one host cache object, shared by every ``Llama`` given it.

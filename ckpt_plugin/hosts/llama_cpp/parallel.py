@@ -36,7 +36,7 @@ from ckpt_plugin.tiers.disk import DiskTier
 from ckpt_plugin.core.errors import UnsupportedHostError
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.hosts.llama_cpp.slot_choice import SlotLeases
-from ckpt_plugin.hosts.llama_cpp.attach import _Attachment
+from ckpt_plugin.hosts.llama_cpp.attach import Attachment
 from ckpt_plugin.hosts.llama_cpp.backend import HostRows
 from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
@@ -84,7 +84,7 @@ class ViewBackend(HostRows, SequenceBackend):
         return self.last_outputs
 
 
-class _SlotAttachment(_Attachment):
+class SlotAttachment(Attachment):
     """The attachment of one request's view: it leases a slot for each generation and binds the view to it."""
 
     def __init__(self, view: SlotLlama, parallel: ParallelLlama) -> None:
@@ -205,7 +205,7 @@ class ParallelLlama:
         """A view of the ``Llama`` for one request: the host's completion methods, on a slot leased per
         generation. Close the view when the request ends: a generation it left suspended frees its slot then."""
         view = view_of(self.llama, self.context)
-        attachment = _SlotAttachment(view, self)
+        attachment = SlotAttachment(view, self)
         attachment.patch_methods()
         view.end_generations = attachment.end
         return view

@@ -17,7 +17,7 @@ import numpy as np
 from llama_cpp.llama import Llama
 
 from ckpt_plugin.core.errors import StateRestoreError
-from ckpt_plugin.hosts.llama_cpp.context import _flags, _u8_p, _writable_start, fingerprint_of, memory_kind
+from ckpt_plugin.hosts.llama_cpp.context import state_flags, U8_P, writable_start, fingerprint_of, memory_kind
 from ckpt_plugin.policy.plan import MemoryKind
 
 
@@ -169,12 +169,12 @@ class SequenceBackend:
 
     def state_size(self, partial: bool) -> int:
         with self.context.lock:
-            return int(llama_cpp.llama_state_seq_get_size_ext(self.context.ctx, self.seq_id, _flags(partial)))
+            return int(llama_cpp.llama_state_seq_get_size_ext(self.context.ctx, self.seq_id, state_flags(partial)))
 
     def read_state(self, buffer: np.ndarray, partial: bool) -> int:
         with self.context.lock:
             return int(llama_cpp.llama_state_seq_get_data_ext(
-                self.context.ctx, _writable_start(buffer), buffer.nbytes, self.seq_id, _flags(partial)))
+                self.context.ctx, writable_start(buffer), buffer.nbytes, self.seq_id, state_flags(partial)))
 
     def write_state(self, buffer: np.ndarray, partial: bool) -> int:
         # The read-only buffer is handed over by address: llama.cpp only reads it.
@@ -183,7 +183,7 @@ class SequenceBackend:
             # the window's positions while its full-attention cells may hold more.
             self.end_bound = None
             read = int(llama_cpp.llama_state_seq_set_data_ext(
-                self.context.ctx, buffer.ctypes.data_as(_u8_p), buffer.nbytes, self.seq_id, _flags(partial)))
+                self.context.ctx, buffer.ctypes.data_as(U8_P), buffer.nbytes, self.seq_id, state_flags(partial)))
             self._ask_pos_max()
             return read
 

@@ -31,7 +31,7 @@ WRITE_DELAY = 0.1
 every other command, so a write starts once the request that follows its response has done its lookup and fetch
 (or after this long, when none comes)."""
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
-_RECENT = 4096
+RECENT = 4096
 LINEAGE_MANIFESTS = 64
 """Manifests restored from or written recently, whose checkpoints later entries of their lineages name."""
 FORGET_SCAN_COUNT = 1000
@@ -39,7 +39,7 @@ FORGET_SCAN_COUNT = 1000
 FORGET_BATCH = 500
 """Keys per ``UNLINK`` of :meth:`SharedTier.forget`: each call is short for the server (UNLINK frees the values on
 a background thread), and a round trip carries many keys."""
-_FORGETS = 1024
+FORGETS = 1024
 """Forgotten partitions remembered (with when), so that writes queued before a forget write nothing."""
 _T = TypeVar("_T")
 

@@ -17,7 +17,7 @@ from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.tiers.protocol import Admission
 from ckpt_plugin.tiers.shared.format import BLOCK_TOKENS, Manifest, Partition, encode_manifest
 from ckpt_plugin.tiers.shared.write_behind import Job, WriteBehind
-from ckpt_plugin.tiers.shared.support import _FORGETS, _RECENT, FORGET_BATCH, FORGET_SCAN_COUNT, WRITE_DELAY, DigestCache, Reads, SharedCounters
+from ckpt_plugin.tiers.shared.support import FORGETS, RECENT, FORGET_BATCH, FORGET_SCAN_COUNT, WRITE_DELAY, DigestCache, Reads, SharedCounters
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -103,7 +103,7 @@ class SharedWrites:
                 return False
             self._recent[entry_id] = (now, base)
             self._recent.move_to_end(entry_id)
-            while len(self._recent) > _RECENT:
+            while len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
             return True
 
@@ -197,7 +197,7 @@ class SharedWrites:
             with self._lock:
                 self._forgotten[base] = time.monotonic()
                 self._forgotten.move_to_end(base)
-                while len(self._forgotten) > _FORGETS:
+                while len(self._forgotten) > FORGETS:
                     self._forgotten.popitem(last=False)
                 # A state of the partition offered again later is new state: write it then.
                 for entry_id in [i for i, (_, b) in self._recent.items() if b.startswith(base)]:

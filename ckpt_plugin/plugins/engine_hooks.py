@@ -83,7 +83,7 @@ class ProjectPlugins(pluggy.PluginManager):
         return undo_and_count
 
 
-class HookRelay:
+class EngineHooks:
     """The hooks of ``manager``'s plugin manager, called with ``manager`` bound.
 
     :ivar hook: The plugin manager's hook callers (``plugins.hook``).
