@@ -294,3 +294,25 @@ def test_random_vision_conversations_answer_as_the_host_alone(make_llama: Callab
             assert reply(attached, messages) == reply(host, messages)
 
     check()
+
+
+def test_a_vision_request_whose_client_left_ends_without_a_token(make_llama: Callable[..., Any],
+                                                                 mmproj: pathlib.Path) -> None:
+    """The handler's chunks are passed over, its completion ends at once (no error for the host to turn into a
+    500), and the next request answers as the host alone."""
+    from ckpt_plugin.core.request import RequestScope, current_request
+
+    host, _ = vision(make_llama, mmproj, "gemma3", attached=False)
+    llama, count = vision(make_llama, mmproj, "gemma3", attached=True)
+    messages = [user("what is this?", 13)]
+    scope = RequestScope()
+    scope.cancelled.set()
+    token = current_request.set(scope)
+    try:
+        response = llama.create_chat_completion(messages=messages, temperature=0.0, max_tokens=MAX_TOKENS)
+    finally:
+        current_request.reset(token)
+    assert response["choices"][0]["message"]["content"] == ""
+    assert response["choices"][0]["finish_reason"] == "length"
+    assert count.media_chunks == 0
+    assert reply(llama, messages) == reply(host, messages)

@@ -205,6 +205,9 @@ class SlotController(SlotMemory):
             its time is up); the slot holds the tokens evaluated before.
         """
         tokens = np.asarray(tokens, dtype=np.int32)
+        scope = current_request.get()
+        if len(tokens) and scope is not None and scope.interrupted():
+            raise RequestInterrupted(0)
         if len(tokens) and int(tokens.min()) < 0:
             raise ValueError("negative token ids stand for media positions, which only their media chunk evaluates")
         slot = self.slot

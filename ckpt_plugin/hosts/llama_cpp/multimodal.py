@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from ckpt_plugin.core.media import media_digest, media_start, media_token_ids
+from ckpt_plugin.core.request import current_request
 from ckpt_plugin.hosts.llama_cpp.outside_writes import Watched, engine_writes
 
 log = logging.getLogger("ckpt_plugin")
@@ -137,6 +138,13 @@ class MediaFlow:
             n_keep = self._prepare(tokens, start)
         self.kept = n_keep
 
+    def _interrupted(self) -> bool:
+        """Whether the request being served was interrupted (its client left, its time is up): the handler's chunks
+        are then passed over without evaluation, and its completion ends at once without a token (it evaluates
+        through the engine, which stops there), instead of the handler failing with an error."""
+        scope = current_request.get()
+        return scope is not None and scope.interrupted()
+
     def eval_text(self, tokens: np.ndarray) -> bool:
         """Serve the handler's ``llama.eval(tokens)`` for a text chunk; ``False``: not this request's next chunk (the
         flow is dropped and the caller serves the call as any other)."""
@@ -146,6 +154,9 @@ class MediaFlow:
             if flow is not None:
                 self.disarm()
             return False
+        if self._interrupted():
+            self._set_host(end)
+            return True
         self._prepared()
         target = min(end, len(flow) - 1)
         memory_end = self._memory_end()
@@ -165,6 +176,9 @@ class MediaFlow:
             if flow is not None:
                 self.disarm()
             return None
+        if self._interrupted():
+            self._set_host(end)
+            return end
         self._prepared()
         if end > self._memory_end():
             # The cut before the request never falls inside a media chunk: the memory ends at this one's start.
