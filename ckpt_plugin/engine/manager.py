@@ -82,6 +82,8 @@ class CheckpointManager:
                 raise ValueError("every slot of an engine must be a sequence of the same model context")
         min_step = self.settings.checkpoint_min_step or default_min_step(self.kind)
         self.rules = CheckpointRules(self.settings.max_checkpoints, min_step)
+        # The engine's one cost model: whether its rates decide plans and captures is the engine's setting.
+        self.rules.costs.enabled = self.settings.plan_by_cost
         settings = self.settings
         if cache is None:
             cache = TIERS.ram(None, settings.cache_max_bytes, settings.cache_max_tokens)

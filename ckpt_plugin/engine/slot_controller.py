@@ -23,7 +23,7 @@ from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.tiers.cost_probes import CostProbe, live_keep
 from ckpt_plugin.policy.costs import PlanClock
 from ckpt_plugin.core.errors import StateRestoreError
-from ckpt_plugin.policy.plan import LiveMemory, Plan, plan_prompt, swa_threshold
+from ckpt_plugin.policy.plan import LiveMemory, Plan, keep_limit, plan_prompt, swa_threshold
 from ckpt_plugin.policy.schedule import branch_point, pause_points
 from ckpt_plugin.core.request import RequestInterrupted, current_request
 from ckpt_plugin.engine.slot_memory import SlotMemory
@@ -80,24 +80,41 @@ class SlotController(SlotMemory):
         :return: ``n_keep``: the memory now holds ``prompt[:n_keep]``.
         """
         prompt = np.asarray(prompt, dtype=np.int32)
-        slot = self.slot
+        just_loaded = self._take_for(prompt)
+        plan, window = self._settle(prompt, max_keep)
+        started = time.perf_counter()
+        plan, entry, n_keep = self._restore_for(plan, window, prompt, max_keep)
+        self._count_outcome(plan, entry, n_keep, prompt, just_loaded)
+        self._time_plan(plan, prompt, n_keep, started)
+        self._record_reuse(prompt, n_keep)
+        return n_keep
+
+    def _take_for(self, prompt: np.ndarray) -> bool:
+        """Take the slot for a new prompt: in line with the memory, without positions written from outside (a prompt
+        is served from what token ids name), in the caller's namespace; return whether the slot was just loaded
+        from the cache by the host itself."""
         self.reconcile()
-        # A prompt is served from what token ids name: positions written from outside are dropped first.
         self.discard_opaque()
         self.enter_namespace(self.current_namespace())
         self.counters.add(prompts=1)
-        just_loaded = self._loaded_from_cache == slot.version
-        plan, window = self._settle(prompt, max_keep)
-        entry, n_keep = plan.entry, plan.n_keep
-        started = time.perf_counter()
+        return self._loaded_from_cache == self.slot.version
+
+    def _restore_for(self, plan: Plan[CacheEntry], window: int, prompt: np.ndarray,
+                     max_keep: int | None) -> tuple[Plan[CacheEntry], CacheEntry | None, int]:
+        """Apply ``plan``; return the plan applied (made again if the window moved meanwhile), the entry restored
+        from (``None``: the live memory) and the tokens kept. A failed restore clears the slot: the whole prompt is
+        evaluated, as the host alone would."""
         try:
-            plan = self._apply_checked(plan, window, prompt, max_keep)
-            entry, n_keep = plan.entry, plan.n_keep
+            applied = self._apply_checked(plan, window, prompt, max_keep)
+            return applied, applied.entry, applied.n_keep
         except StateRestoreError as exc:
-            # The slot was cleared: serve the request by evaluating its whole prompt, as the host alone would.
             log.warning("restore failed, evaluating the whole prompt: %s", exc)
             self.counters.add(restore_failures=1)
-            entry, n_keep = None, 0
+            return plan, None, 0
+
+    def _count_outcome(self, plan: Plan[CacheEntry], entry: CacheEntry | None, n_keep: int, prompt: np.ndarray,
+                       just_loaded: bool) -> None:
+        """Forced re-processing (with its hook) and cache misses."""
         # Tokens the plan chose to evaluate although it could keep them are the cost model's, not forced.
         live, kept = plan.live, max(n_keep, plan.live.n_keep) if plan.by_cost and entry is None else n_keep
         if entry is None and kept < live.n_common:
@@ -106,19 +123,24 @@ class SlotController(SlotMemory):
                 "recurrent state cannot be truncated" if self.kind.recurrent else "sliding window lost the prefix"
             )
             log.info("re-processing %d tokens the memory shared with the prompt: %s", live.n_common - kept, reason)
-            self.hooks.call(self.hooks.hook.on_full_reprocess, slot=slot, n_common=live.n_common, reason=reason)
-        if entry is None and live.n_keep < max(len(prompt) - 1, 0) and not just_loaded and not plan.by_cost:
+            self.hooks.call(self.hooks.hook.on_full_reprocess, slot=self.slot, n_common=live.n_common, reason=reason)
+        if entry is None and live.n_keep < keep_limit(len(prompt)) and not just_loaded and not plan.by_cost:
             self.counters.add(cache_misses=1)
+
+    def _time_plan(self, plan: Plan[CacheEntry], prompt: np.ndarray, n_keep: int, started: float) -> None:
+        """Start timing the prompt against the plan's estimate (the cost model learns from the difference)."""
         if plan.estimated_seconds > 0 and self.costs.calibrated:
             self.plan_clock = PlanClock(plan.estimated_seconds, len(prompt), n_keep, plan.most_tokens, plan.tier,
                                         plan.by_cost, plan.fetches_skipped,
                                         self.fetch_seconds + time.perf_counter() - started)
+
+    def _record_reuse(self, prompt: np.ndarray, n_keep: int) -> None:
+        """Count the tokens reused, pin what the slot now holds, and tell the request."""
         self.counters.add(tokens_reused=n_keep)
         self.pin_slot()
         scope = current_request.get()
         if scope is not None:
             scope.prompt_tokens, scope.cached_tokens = len(prompt), n_keep
-        return n_keep
 
     def _settle(self, prompt: np.ndarray, max_keep: int | None) -> tuple[Plan[CacheEntry], int]:
         """:meth:`plan`, with what it asks for before the restore: its branch point, the promotion of an entry of a

@@ -73,9 +73,8 @@ class SlotMemory:
         self._loaded_from_cache = -1
         # Whether the memory holds positions past ``slot.n_tokens`` that no token id names (written from outside).
         self.opaque = False
-        # The engine's measured rates (one model in the engine's rules); the setting says whether they decide.
+        # The engine's measured rates (one model in the engine's rules, switched on or off by the engine).
         self.costs = rules.costs
-        self.costs.enabled = settings.plan_by_cost
         self.plan_clock: PlanClock | None = None
         self.fetch_seconds = 0.0
 

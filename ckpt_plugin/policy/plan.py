@@ -28,6 +28,13 @@ from ckpt_plugin.core.memory import MemoryKind, PartialSizes, common_prefix, par
 from ckpt_plugin.policy.costs import LOCAL_TIERS, Rates, clearly_cheaper, option_seconds
 
 
+def keep_limit(n_prompt: int, max_keep: int | None = None) -> int:
+    """The most tokens of an ``n_prompt``-token prompt that a plan may keep: all but the last (one token is always
+    evaluated, so that fresh logits exist), and at most ``max_keep``."""
+    limit = max(n_prompt - 1, 0)
+    return limit if max_keep is None else max(0, min(limit, max_keep))
+
+
 def swa_threshold(kind: MemoryKind, n_keep: int) -> int:
     """The largest ``pos_min`` a sliding-window memory may have to be truncated to ``n_keep`` tokens.
 
@@ -297,9 +304,7 @@ def plan_prompt(
         logits are known).
     :param rates: What evaluating and copying cost (:class:`~ckpt_plugin.policy.costs.Rates`), or ``None``.
     """
-    limit = max(len(prompt) - 1, 0)
-    if max_keep is not None:
-        limit = max(0, min(limit, max_keep))
+    limit = keep_limit(len(prompt), max_keep)
     options = reuse_options(kind, live.lineage, live.n_tokens, live.pos_min, live.checkpoints, prompt, limit)
     live_reuse = max(options, key=lambda option: option.n_keep)  # the first of the longest: best_reuse's choice
     best, entry, tier = live_reuse, None, None

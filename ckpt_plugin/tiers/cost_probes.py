@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ckpt_plugin.policy.costs import LOCAL_TIERS, LOOKUP_SHARE, MIN_SAVING, RAM, SHARED, CostModel, Rates, clearly_cheaper
-from ckpt_plugin.policy.plan import LiveMemory, MemoryKind, best_reuse
+from ckpt_plugin.policy.plan import LiveMemory, MemoryKind, best_reuse, keep_limit
 
 if TYPE_CHECKING:
     from ckpt_plugin.policy.plan import Hit
@@ -34,7 +34,7 @@ LOOKUP_ROUND_TRIPS = 2
 
 def live_keep(kind: MemoryKind, live: LiveMemory, prompt: np.ndarray, max_keep: int | None) -> int:
     """Prompt tokens the live memory alone can keep (as the planner rates it)."""
-    limit = max(len(prompt) - 1, 0) if max_keep is None else max(0, min(len(prompt) - 1, max_keep))
+    limit = keep_limit(len(prompt), max_keep)
     return best_reuse(kind, live.lineage, live.n_tokens, live.pos_min, live.checkpoints, prompt, limit).n_keep
 
 

@@ -16,7 +16,7 @@ from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.tiers.ram import PromptCache
 from ckpt_plugin.core.checkpoint import StateBuffer
 from ckpt_plugin.tiers.disk import DiskTier
-from ckpt_plugin.policy.plan import Hit, MemoryKind
+from ckpt_plugin.policy.plan import Hit, MemoryKind, keep_limit
 from ckpt_plugin.tiers.protocol import CacheTier, Query, Tier
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class TieredStore:
         restores), and only for prefixes longer than the local tiers hold (``max_keep`` as for the planner).
         With a ``probe``, the tiers are asked through it (their round trips and fetches are timed).
         """
-        limit = max(len(prompt) - 1, 0) if max_keep is None else max(0, min(len(prompt) - 1, max_keep))
+        limit = keep_limit(len(prompt), max_keep)
         query = Query(namespace, fingerprint, prompt, kind, limit, self.ram.pool)
         hits: list[Hit[CacheEntry]] = []
         for tier in self.tiers():
