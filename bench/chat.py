@@ -32,16 +32,12 @@ import json
 import math
 import os
 import pathlib
-import random
 import re
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -62,8 +58,14 @@ from _common import (  # noqa: E402
     ratio,
 )
 
-N_CTX, N_BATCH, N_THREADS = 4096, 512, 2
-SYSTEM_TOKENS = 660
+from chat_servers import N_BATCH, N_CTX, N_THREADS, Config, Running, configs, start  # noqa: E402
+from chat_workload import (  # noqa: E402
+    SYSTEM_TOKENS,
+    Request,
+    conversation,
+    system_prompt,
+    token_counter,
+)
 DEFAULT_USERS, DEFAULT_TURNS, DEFAULT_MAX_TOKENS = 4, 4, 16
 QUICK_USERS, QUICK_TURNS = 2, 3
 # Servers of one group run at the same time and take each request in turn. The goals compare (c) with (b) and (d):
@@ -71,258 +73,6 @@ QUICK_USERS, QUICK_TURNS = 2, 3
 DEFAULT_GROUPS = "bcd,aef"
 PLOT_PATH = ROOT / "docs" / "chat_ttft.png"
 NOISY = 0.25  # cores used by other processes during a request above which the request is flagged
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the conversation, fixed in advance
-
-TOPICS = [
-    ("a small bakery", "bread", "customers", "oven"),
-    ("a city library", "books", "readers", "catalogue"),
-    ("a bicycle repair shop", "wheels", "riders", "workshop"),
-    ("a mountain hotel", "rooms", "guests", "kitchen"),
-    ("a community garden", "vegetables", "volunteers", "greenhouse"),
-    ("a music school", "lessons", "students", "piano"),
-    ("a ferry company", "tickets", "passengers", "harbour"),
-    ("a veterinary clinic", "animals", "owners", "waiting room"),
-]
-ADJECTIVES = """quiet busy careful friendly modern old small large bright early late simple useful warm cold heavy
-light careful clear local seasonal fresh regular rare common important patient honest gentle steady quick slow
-narrow wide famous ordinary special daily weekly monthly favourite expensive cheap reliable polite helpful""".split()
-NOUNS = """morning evening window table garden street market letter question answer decision problem reason
-picture story lesson meeting visitor neighbour family friend teacher manager driver weather season holiday
-schedule notice request order delivery payment receipt booking record account message phone list plan price
-budget report corner door shelf basket bottle umbrella jacket ticket map journey road bridge river hill""".split()
-VERBS = """opens closes prepares checks explains answers remembers describes arranges collects delivers repairs
-recommends welcomes reminds cleans organises visits measures changes writes reads records follows improves
-protects shares suggests compares""".split()
-ADVERBS = """usually often always sometimes rarely carefully quickly politely calmly quietly gladly briefly
-patiently clearly promptly""".split()
-PLACES = [
-    "near the entrance", "behind the counter", "at the front desk", "in the back room", "by the window",
-    "on the top floor", "next to the stairs", "in the courtyard", "at the end of the hall", "beside the main door",
-]
-TIMES = [
-    "on Monday mornings", "before lunch", "after closing time", "during the holidays", "at the start of each month",
-    "every other week", "in the late afternoon", "when it rains", "on busy weekends",
-    "before the first visitors arrive",
-]
-RULES = [
-    "Always answer in a short and friendly way.",
-    "If you do not know something, say so and suggest who could help.",
-    "Never promise a price or a date that is not written here.",
-    "Keep personal details private and do not repeat them.",
-    "When a question is unclear, ask one short question back.",
-    "Prefer plain words to technical ones.",
-]
-USER_MESSAGES = [
-    "Hi! Are you open tomorrow?",
-    "What should I bring with me?",
-    "Can you say that in one sentence?",
-    "Is there anything new this week?",
-    "Who should I ask about a refund?",
-    "Thanks. What time is best to come?",
-    "Do I need to book in advance?",
-    "Could you remind me of the rules?",
-]
-ASSISTANT_REPLIES = [
-    "Yes, we are open tomorrow from nine in the morning until six in the evening. You are welcome to drop by.",
-    "Just bring your booking reference and a little patience on busy days. Everything else is provided here.",
-    "Of course: come early, bring your reference, and ask the front desk if anything is unclear.",
-    "This week we have a few new seasonal items and slightly longer opening hours on Friday.",
-    "Please ask the manager at the front desk; they handle refunds and will need your receipt.",
-    "Early mornings are usually the quietest, so that is the best time to come if you can.",
-]
-
-
-def _sentence(rng: random.Random, topic: tuple[str, str, str, str]) -> str:
-    _, thing, people, room = topic
-    a, b = rng.sample(ADJECTIVES, 2)
-    n1, n2 = rng.sample(NOUNS, 2)
-    forms = [
-        f"The {a} {n1} {rng.choice(VERBS)} the {b} {n2} {rng.choice(TIMES)}.",
-        f"Our {people} {rng.choice(ADVERBS)} ask about the {n1} {rng.choice(PLACES)}.",
-        f"The staff {rng.choice(ADVERBS)} {rng.choice(VERBS)} the {thing} and keeps the {room} {a}.",
-        f"{rng.choice(TIMES).capitalize()} the team {rng.choice(VERBS)} every {n1} {rng.choice(PLACES)}.",
-        f"A {a} {n2} is kept {rng.choice(PLACES)} so that {people} can find the {b} {n1}.",
-        f"If a {n1} is {a}, the manager {rng.choice(VERBS)} it {rng.choice(TIMES)}.",
-    ]
-    return rng.choice(forms)
-
-
-def system_prompt(user: int, n_tokens: int = SYSTEM_TOKENS, count: Any = None) -> str:
-    """The system prompt of ``user``: deterministic (seeded by ``user``), sentences added while the text stays within
-    ``n_tokens`` tokens according to ``count`` (text -> token count; about 1.3 tokens a word without one)."""
-    rng = random.Random(1000 + user)
-    topic = TOPICS[user % len(TOPICS)]
-    count = count or (lambda text: int(len(text.split()) * 1.3))
-    paragraphs = [[f"You are the assistant of {topic[0]} (desk number {user + 1}). Here is what you need to know.",
-                   rng.choice(RULES)]]
-    text = ""
-    while True:
-        if len(paragraphs[-1]) == 4:
-            paragraphs.append([])
-        paragraphs[-1].append(_sentence(rng, topic))
-        candidate = "\n\n".join(" ".join(p) for p in paragraphs)
-        if count(candidate) > n_tokens:
-            return text
-        text = candidate
-
-
-def token_counter(model: str) -> Any:
-    """Text -> number of tokens of ``model``'s tokenizer (a vocabulary-only load, no weights)."""
-    from llama_cpp import Llama
-
-    vocab = Llama(model_path=model, vocab_only=True, verbose=False)
-    return lambda text: len(vocab.tokenize(text.encode(), add_bos=False, special=False))
-
-
-@dataclass(frozen=True)
-class Request:
-    index: int
-    user: int
-    turn: int
-    messages: list[dict[str, str]]
-
-
-def conversation(users: int, turns: int, count: Any = None) -> list[Request]:
-    """Every request of the workload, in order: turn by turn, users round-robin inside a turn."""
-    histories = [[{"role": "system", "content": system_prompt(u, count=count)}] for u in range(users)]
-    requests = []
-    for turn in range(turns):
-        for user in range(users):
-            history = histories[user]
-            history.append({"role": "user", "content": USER_MESSAGES[(user * 3 + turn) % len(USER_MESSAGES)]})
-            requests.append(Request(len(requests), user, turn, [dict(m) for m in history]))
-            history.append({"role": "assistant", "content": ASSISTANT_REPLIES[(user + turn) % len(ASSISTANT_REPLIES)]})
-    return requests
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# servers
-
-
-@dataclass(frozen=True)
-class Config:
-    key: str
-    label: str
-    command: list[str]
-    health: str = "/v1/models"
-    ckpt: bool = False
-    llama_server: bool = False
-
-
-def configs(model: str) -> list[Config]:
-    """(a)-(d) of the workload, plus (e)/(f): (a)/(c) with ``--logits_all false`` (``llama_cpp.server`` defaults to
-    ``logits_all=True``: the 262,144-word output layer is computed and copied for every prompt token)."""
-    python = sys.executable
-    settings = ["--model", model, "--n_ctx", str(N_CTX), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
-                "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS), "--seed", "0",
-                "--verbose", "true"]
-    plain = [python, "-m", "llama_cpp.server", *settings]
-    ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings, "--checkpoint-admin", "true"]
-    out = [
-        Config("a", "llama_cpp.server", plain),
-        Config("b", "llama_cpp.server --cache true", [*plain, "--cache", "true"]),
-        Config("c", "ckpt-serve", ours, ckpt=True),
-    ]
-    binary = shutil.which("llama-server")
-    if binary:
-        out.append(Config("d", "llama-server -np 1", [binary, "-m", model, "-c", str(N_CTX), "-b", str(N_BATCH),
-                                                       "-ub", str(N_BATCH), "-t", str(N_THREADS), "-tb",
-                                                       str(N_THREADS), "-np", "1", "--seed", "0"],
-                          health="/health", llama_server=True))
-    out += [
-        Config("e", "llama_cpp.server --logits_all false", [*plain, "--logits_all", "false"]),
-        Config("f", "ckpt-serve --logits_all false", [*ours, "--logits_all", "false"], ckpt=True),
-    ]
-    return out
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Running:
-    """A server subprocess, its port and its output lines (with arrival times)."""
-
-    def __init__(self, config: Config, process: subprocess.Popen, port: int) -> None:
-        self.config = config
-        self.process = process
-        self.url = f"http://127.0.0.1:{port}"
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    def proc_status(self) -> dict[str, int]:
-        """``VmHWM`` / ``VmRSS`` of the server process in bytes."""
-        out = {}
-        with open(f"/proc/{self.process.pid}/status") as status:
-            for line in status:
-                key, _, value = line.partition(":")
-                if key in ("VmHWM", "VmRSS"):
-                    out[key] = int(value.split()[0]) * 1024
-        return out
-
-    def minor_faults(self) -> int:
-        """Minor page faults of the server process so far (first touches of fresh pages)."""
-        with open(f"/proc/{self.process.pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[7])
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU seconds of the server process so far."""
-        with open(f"/proc/{self.process.pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def settle(self, quiet: float = 0.1, limit: float = 2.0) -> int:
-        """Wait until the output has not grown for ``quiet`` seconds; return the number of lines so far."""
-        deadline = time.monotonic() + limit
-        seen = len(self.lines)
-        last = time.monotonic()
-        while time.monotonic() < deadline:
-            time.sleep(0.02)
-            if len(self.lines) != seen:
-                seen, last = len(self.lines), time.monotonic()
-            elif time.monotonic() - last >= quiet:
-                break
-        return len(self.lines)
-
-
-@contextlib.contextmanager
-def start(config: Config, timeout: float = 300.0) -> Iterator[Running]:
-    port = _free_port()
-    command = [*config.command, "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               errors="replace", env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Running(config, process, port)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{config.label} exited with {process.returncode}:\n{''.join(server.lines[-40:])}")
-            try:
-                if httpx.get(server.url + config.health, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{config.label} did not start:\n{''.join(server.lines[-40:])}")
-            time.sleep(0.2)
-        yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import Report, gemma_path  # noqa: E402
 from ckpt_plugin.hosts.llama_cpp.chat_formats import TRANSCRIPT_FORMAT, TRANSCRIPT_STOP  # noqa: E402
-from chat import ASSISTANT_REPLIES, USER_MESSAGES, Config, start, system_prompt, token_counter  # noqa: E402
+from chat_servers import Config, start  # noqa: E402
+from chat_workload import ASSISTANT_REPLIES, USER_MESSAGES, system_prompt, token_counter  # noqa: E402
 
 N_CTX, N_BATCH, N_THREADS = 4096, 512, 2
 SYSTEM_TOKENS = 400
