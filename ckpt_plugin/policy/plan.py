@@ -198,7 +198,7 @@ class LiveMemory:
     checkpoints: Sequence[Checkpoint]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Plan(Generic[C]):
     """How a prompt will be served: what to restore, where to truncate, what to evaluate.
 
@@ -350,5 +350,6 @@ def plan_prompt(
     kept_live = reuse.n_keep if entry is None else 0
     park = live.n_tokens - kept_live >= min_discard and live.n_tokens >= min_tokens
     restore_state = entry is not None and not (kind.partial_is_complete and reuse.checkpoint is not None)
-    return Plan(reuse.n_keep, entry, tier, reuse.checkpoint, restore_state, park, live_reuse, shared, estimate,
-                most_tokens, by_cost, skipped)
+    return Plan(n_keep=reuse.n_keep, entry=entry, tier=tier, checkpoint=reuse.checkpoint, restore_state=restore_state,
+                park_live=park, live=live_reuse, shared=shared, estimated_seconds=estimate, most_tokens=most_tokens,
+                by_cost=by_cost, fetches_skipped=skipped)
