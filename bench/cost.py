@@ -6,8 +6,8 @@ On Gemma-3-270M (the default model; n_ctx 4096, n_batch 512, 2 threads, ``swa_fu
   context, attached against plain on the same ``Llama`` (attached and detached in turn, the attached side keeping one
   prompt cache so that its buffers are recycled as in a running server), in interleaved rounds with the order
   alternating; medians and the median of the per-round ratios. Goal: attached / plain <= 1.03.
-- far tier: a redis-server behind a link of 20 ms round trips and 50 MB/s (``tests/delay_proxy.py``) holding what
-  other replicas served (a 1,500-token conversation and a 1,064-token one); three requests, each timed with the tier
+- far tier: a redis-server behind a link of 20 ms round trips and 50 MB/s (``tests/support/delay_proxy.py``) holding
+  what other replicas served (a 1,500-token conversation and a 1,064-token one); three requests, each timed with the tier
   (plans by cost), without the tier, and with the tier but planning by tokens (``plan_by_cost=False``, what the
   planner did before it knew costs), in interleaved rounds after one warm-up round (where the engine measures the
   link): a short suffix the live memory nearly holds, a long prefix only the tier holds, a short prefix only the tier
@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 
 from _common import GEMMA_VOCAB, Report, cli, emit, fmt_ratio, open_gemma, random_prompt, random_tokens  # noqa: E402
-from delay_proxy import delay_proxy  # noqa: E402
+from support.delay_proxy import delay_proxy  # noqa: E402
 
 import ckpt_plugin  # noqa: E402
 from ckpt_plugin.tiers.ram import PromptCache  # noqa: E402
@@ -207,7 +207,7 @@ def far(report: Report, rounds: int) -> None:
 
     median = {key: statistics.median(values) for key, values in times.items()}
     report.text("### A far shared tier\n\nredis-server behind a link of 20 ms round trips and 50 MB/s each way "
-                "(`tests/delay_proxy.py`), holding a 1,500-token and a 1,064-token conversation other replicas "
+                "(`tests/support/delay_proxy.py`), holding a 1,500-token and a 1,064-token conversation other replicas "
                 f"served; each request with the tier (plans by cost), without it, and with it but planning by tokens "
                 f"(`plan_by_cost=False`); {rounds} interleaved rounds after a warm-up round in which the engine "
                 "measured the link. Tokens evaluated, shared-tier hits and round trips are those of the last round.")

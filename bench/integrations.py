@@ -264,7 +264,7 @@ def main() -> None:
     report.text("'same replies': the first round's replies of the two sides are identical. The sides fill their caches "
                 "in different batches (reuse, `swa_full`), which moves Q4_K logits by rounding, so where the model is "
                 "within rounding of a tie they may pick different tokens (docs/correctness.md); the tests compare "
-                "answers with that allowance (tests/test_integration_*.py).")
+                "answers with that allowance (tests/integrations/test_integration_*.py).")
     report.table(["library", "workload", "tokens evaluated with", "without", "ratio", "time with", "without",
                   "speed-up", "same replies"], rows)
     emit(report, args.json)

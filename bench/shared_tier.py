@@ -350,7 +350,7 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
         "- `same answer as one`: Gemma-3 Q4_K_M's logits depend slightly on how a prompt is split into batches "
         "(docs/correctness.md), and a replica that restores a different state splits differently; `local` differs "
         "as often as `shared` does. On the tiny test models, every answer equals a fresh context's "
-        "(tests/test_shared_replicas.py).",
+        "(tests/server/test_shared_replicas.py).",
         "- The single replica with the tier writes every turn's state (21 MB) after the response; with redis-server "
         "on the same 2 cores, storing it takes CPU from the next request; at nice 19 (`one-shared-far`) the server "
         "uses only idle CPU, as one on another machine costs the replica nothing but the send.",

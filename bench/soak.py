@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from servers import run_server  # noqa: E402
+from support.servers import run_server  # noqa: E402
 
 SYSTEMS = [f"You are assistant number {i}. " + "Answer briefly and kindly about the house and the dog. " * 12
            for i in range(8)]

@@ -115,7 +115,7 @@ def main() -> None:
         "prompt is split into batches (docs/correctness.md, \"Batch boundaries\"), the plugin splits a prompt where "
         "it takes checkpoints, and the random projector's embeddings, far from a trained one's, amplify the "
         "difference until greedy replies part after a few tokens. The same flow on the F32 tiny models gives equal "
-        "replies on both turns (tests/test_multimodal.py), and with a 16-position image so does Gemma-3-270M."
+        "replies on both turns (tests/hosts/test_multimodal.py), and with a 16-position image so does Gemma-3-270M."
     )
     report.figure("vision chat turn-2 TTFT, attached / host alone", fmt_ratio(ratio))
     emit(report, args.json)

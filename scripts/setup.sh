@@ -88,7 +88,7 @@ if [ "$(cat .venv/.llama_cpp_cmake_args 2>/dev/null || true)" != "$CMAKE_ARGS" ]
 fi
 .venv/bin/python -m pip install --quiet -e ".[test]"
 
-# llama-cpp-python's own test suite runs against the plugin (tests/test_upstream_suite.py): its sdist, through pip.
+# llama-cpp-python's own test suite runs against the plugin (tests/hosts/test_upstream_suite.py): its sdist, through pip.
 if [ ! -f .cache/upstream/.done ]; then
   version="$(.venv/bin/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
   mkdir -p .cache/upstream

