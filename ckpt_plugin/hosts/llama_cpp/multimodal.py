@@ -72,6 +72,9 @@ class MediaHost(Protocol):
     def owns_context(self, lctx: Any) -> bool:
         """Whether ``lctx`` is the attached ``Llama``'s own context."""
 
+    def serve_media(self, n_positions: int, decode: Callable[[int], int]) -> int | None:
+        """:meth:`MediaFlow.eval_media` under the slot's lock."""
+
 
 class MediaFlow:
     """One multimodal request of the handler, as the engine serves it: its prompt in token ids (media positions
@@ -284,14 +287,12 @@ class MtmdRelay:
         if not self._host.owns_context(lctx):
             raise ValueError("this multimodal handler's context is not the attached model's: parallel slots do not "
                              "serve images or audio yet")
-        status = [0]
-
         def decode(start: int) -> int:
             out = ctypes.c_int32(0)
-            status[0] = int(mtmd.mtmd_helper_eval_chunk_single(mtmd_ctx, lctx, chunk, start, seq_id, n_batch,
-                                                               logits_last, ctypes.byref(out)))
-            if status[0] != 0:
-                raise ValueError(f"Failed to evaluate chunk: error code {status[0]}")
+            status = int(mtmd.mtmd_helper_eval_chunk_single(mtmd_ctx, lctx, chunk, start, seq_id, n_batch,
+                                                            logits_last, ctypes.byref(out)))
+            if status != 0:
+                raise ValueError(f"Failed to evaluate chunk: error code {status}")
             return int(out.value)
 
         end = self._host.serve_media(int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)), decode)

@@ -200,8 +200,7 @@ class OutsideWrites:
                 if watched is not None:
                     seq_id = int(args[seq_index - 1])
                     if watched.touches(seq_id):
-                        p0 = int(args[p0_index - 1])
-                        watched.wrote(p0 if p0 >= 0 else 0)
+                        watched.wrote(int(args[p0_index - 1]))  # p0 < 0 means from the start
                 return result
 
             return write
