@@ -120,7 +120,8 @@ def ram_cache(workload: Workload) -> LlamaRAMCache:
 
 
 def _dummy_checkpoint(tokens: np.ndarray, buffer: np.ndarray, fingerprint: str) -> Checkpoint:
-    return Checkpoint(len(tokens), 0, len(tokens) - 1, False, buffer, fingerprint)
+    return Checkpoint(n_tokens=len(tokens), pos_min=0, pos_max=len(tokens) - 1, partial=False, target=buffer,
+                      fingerprint=fingerprint)
 
 
 def host_cache(workload: Workload) -> HostPromptCache:

@@ -273,8 +273,8 @@ class Checkpoint:
     fingerprint: str = field(repr=False)
     extra: Mapping[str, StateBuffer] = field(repr=False)
 
-    def __init__(self, n_tokens: int, pos_min: int, pos_max: int, partial: bool, target: StateBuffer,
-                 fingerprint: str, *, extra: Mapping[str, StateBuffer] | None = None,
+    def __init__(self, *, n_tokens: int, pos_min: int, pos_max: int, partial: bool, target: StateBuffer,
+                 fingerprint: str, extra: Mapping[str, StateBuffer] | None = None,
                  draft: StateBuffer | None = None, speculative: StateBuffer | None = None) -> None:
         """``draft`` and ``speculative`` are shorthands for those names of ``extra`` (and win over them)."""
         setter = object.__setattr__

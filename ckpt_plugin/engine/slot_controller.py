@@ -130,9 +130,10 @@ class SlotController(SlotMemory):
     def _time_plan(self, plan: Plan[CacheEntry], prompt: np.ndarray, n_keep: int, started: float) -> None:
         """Start timing the prompt against the plan's estimate (the cost model learns from the difference)."""
         if plan.estimated_seconds > 0 and self.costs.calibrated:
-            self.plan_clock = PlanClock(plan.estimated_seconds, len(prompt), n_keep, plan.most_tokens, plan.tier,
-                                        plan.by_cost, plan.fetches_skipped,
-                                        self.fetch_seconds + time.perf_counter() - started)
+            self.plan_clock = PlanClock(estimated=plan.estimated_seconds, prompt_end=len(prompt), n_keep=n_keep,
+                                        most_tokens=plan.most_tokens, tier=plan.tier, by_cost=plan.by_cost,
+                                        fetches_skipped=plan.fetches_skipped,
+                                        seconds=self.fetch_seconds + time.perf_counter() - started)
 
     def _record_reuse(self, prompt: np.ndarray, n_keep: int) -> None:
         """Count the tokens reused, pin what the slot now holds, and tell the request."""

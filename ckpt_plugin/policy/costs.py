@@ -214,7 +214,7 @@ class _Transfer:
             self.bandwidth.observe(n_bytes / moving)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PlanClock:
     """One prompt's plan while it is carried out: its estimate and the time it has taken so far.
 

@@ -143,17 +143,21 @@ def test_every_extra_state_is_stored_with_its_name(tmp_path: Path) -> None:
     assert_same(read_entry(path), entry)
 
 
+def one_token_checkpoint(**named: Any) -> Checkpoint:
+    return Checkpoint(n_tokens=1, pos_min=0, pos_max=0, partial=True, target=blob(1, 3), fingerprint=FP, **named)
+
+
 def test_extra_state_names_are_checked() -> None:
     for name in ("", "target", "x" * 49, "has space", ".hidden", "-dash", "é", "a/b"):
         with pytest.raises(ValueError):
             ExtraState(name, np.zeros(1, np.uint8))
         with pytest.raises(ValueError):
-            Checkpoint(1, 0, 0, True, blob(1, 3), FP, extra={name: blob(2, 1)})
+            one_token_checkpoint(extra={name: blob(2, 1)})
     assert ExtraState("x" * 48, np.zeros(1, np.uint8)).name == "x" * 48
     with pytest.raises(ValueError, match="frozen"):
-        Checkpoint(1, 0, 0, True, blob(1, 3), FP, extra={"mytool": np.zeros(2, np.uint8)})
+        one_token_checkpoint(extra={"mytool": np.zeros(2, np.uint8)})
     # The shorthands are names of the mapping.
-    both = Checkpoint(1, 0, 0, True, blob(1, 3), FP, extra={"mytool": blob(2, 1)}, draft=blob(3, 2))
+    both = one_token_checkpoint(extra={"mytool": blob(2, 1)}, draft=blob(3, 2))
     assert list(both.extra) == ["draft", "mytool"] and both.speculative is None
     assert both.nbytes == 3 + 1 + 2 and len(list(both.buffers())) == 3
     assert dataclasses.replace(both, target=blob(4, 5)).extra == both.extra

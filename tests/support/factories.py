@@ -45,8 +45,8 @@ def checkpoint(n_tokens: int, *, pos_min: int = 0, pos_max: int | None = None, p
     ``pos_max`` defaults to ``n_tokens - 1``, ``target`` to ``n_bytes`` zero bytes (an empty sequence holds no
     position: ``pos_min=-1``).
     """
-    return Checkpoint(n_tokens, pos_min, n_tokens - 1 if pos_max is None else pos_max, partial,
-                      zeros(n_bytes) if target is None else target, fingerprint,
+    return Checkpoint(n_tokens=n_tokens, pos_min=pos_min, pos_max=n_tokens - 1 if pos_max is None else pos_max,
+                      partial=partial, target=zeros(n_bytes) if target is None else target, fingerprint=fingerprint,
                       extra=extra, draft=draft, speculative=speculative)
 
 

@@ -304,7 +304,8 @@ def test_stats_and_metrics_show_rates_and_estimated_against_actual_time() -> Non
 
 def test_a_plan_clock_records_its_outcome() -> None:
     costs = CostModel()
-    costs.record_plan(PlanClock(0.010, 100, 90, 95, "shared", True, 1, seconds=0.012))
+    costs.record_plan(PlanClock(estimated=0.010, prompt_end=100, n_keep=90, most_tokens=95, tier="shared", by_cost=True,
+                                   fetches_skipped=1, seconds=0.012))
     view = costs.snapshot()
     assert view["plans"] == view["plans_by_cost"] == view["fetches_skipped_by_cost"] == 1
     assert view["tokens_recomputed_by_cost"] == 5

@@ -520,7 +520,8 @@ path, mode = sys.argv[1], sys.argv[2]
 def entry(generation, n_bytes):
     tokens = np.full(generation, generation, dtype=np.int32)
     target = freeze(np.full(n_bytes, generation % 256, dtype=np.uint8))
-    return CacheEntry(tokens, Checkpoint(generation, 0, generation - 1, False, target, "fp"), ())
+    return CacheEntry(tokens, Checkpoint(n_tokens=generation, pos_min=0, pos_max=generation - 1, partial=False,
+                                       target=target, fingerprint="fp"), ())
 
 if mode == "slow":
     persist.write_entry(path, entry(1, 16 << 20), model_fingerprint="fp")

@@ -150,7 +150,8 @@ class DraftStatePlugin:
             self._drop(manager, "it was made for another draft model or context")
             return
         pos_min = draft.kind.restored_pos_min(0, n_saved - 1)
-        state = Checkpoint(n_saved, pos_min, n_saved - 1, False, data[HEADER:], draft.fingerprint)
+        state = Checkpoint(n_tokens=n_saved, pos_min=pos_min, pos_max=n_saved - 1, partial=False,
+                           target=data[HEADER:], fingerprint=draft.fingerprint)
         try:
             draft.load(CacheEntry(slot.lineage[:n_saved].copy(), state, ()))
         except IncompatibleStateError as exc:
