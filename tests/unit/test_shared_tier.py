@@ -166,8 +166,8 @@ def test_a_full_server_refuses_writes_without_failing_requests(tmp_path: Path) -
         assert continue_on(b, PROMPT + [7, 8]) == 0 and not b.backend.corrupted
 
 
-def test_a_full_queue_drops_and_counts() -> None:
-    tier = SharedTier("redis://127.0.0.1:1/0", timeout=0.2, retry=60, queue=0)
+def test_a_full_queue_drops_and_counts(redis_server: RedisServer) -> None:
+    tier = SharedTier(redis_server.url, prefix="no-queue", timeout=0.2, retry=60, queue=0)
     a = fake_manager("swa", shared=tier)
     run_prompt(a, PROMPT, 2)
     assert not publish(a)

@@ -108,15 +108,42 @@ def _short(text: str, person: bytes) -> str:
 
 @dataclass(frozen=True)
 class Partition:
-    """The keys of one (model fingerprint, namespace) partition under ``prefix``."""
+    """The keys of one (model fingerprint, namespace) partition under ``prefix``.
+
+    ``tagged`` (a cluster's layout) puts the partition's manifests and index keys in one hash slot, with the hash
+    tag ``{<fp>:<ns>}``: a lookup's ``MGET`` of index keys, then of manifests, is one node's command whatever the
+    number of nodes, and an entry's manifest lands before its index keys (one connection, in order). Blobs carry
+    no tag: each is in the slot of its own key, so the bytes spread evenly over the nodes, and a blob several
+    entries share (the checkpoints of a conversation, of a system prompt) is still stored once. A single server's
+    keys have no tag, as written before clusters were supported.
+    """
 
     prefix: str
     fingerprint: str
     namespace: str
+    tagged: bool = False
 
     @functools.cached_property
     def base(self) -> str:
+        """Key prefix of the partition's blobs (and, untagged, of all its keys); its identity in bookkeeping."""
         return f"{self.prefix}:{_short(self.fingerprint, b'ckpt-fp')}:{_short(self.namespace, b'ckpt-ns')}:"
+
+    @functools.cached_property
+    def head(self) -> str:
+        """Key prefix of the partition's manifests and index keys."""
+        if not self.tagged:
+            return self.base
+        return f"{self.prefix}:{{{_short(self.fingerprint, b'ckpt-fp')}:{_short(self.namespace, b'ckpt-ns')}}}:"
+
+    def key_prefixes(self, every_namespace: bool = False) -> list[str]:
+        """The prefixes of the keys of this partition (of every namespace of its model with ``every_namespace``):
+        the untagged one (the partition's or model's :attr:`base`, every key of a single server's layout) and the
+        tagged one (manifests and index keys in a cluster's)."""
+        fp = _short(self.fingerprint, b"ckpt-fp")
+        if every_namespace:
+            return [f"{self.prefix}:{fp}:", f"{self.prefix}:{{{fp}:"]
+        ns = _short(self.namespace, b"ckpt-ns")
+        return [f"{self.prefix}:{fp}:{ns}:", f"{self.prefix}:{{{fp}:{ns}}}:"]
 
     @functools.cached_property
     def _seed(self) -> bytes:
@@ -130,13 +157,13 @@ class Partition:
         return digest.hexdigest()
 
     def entry_key(self, entry_id: str) -> str:
-        return f"{self.base}e:{entry_id}"
+        return f"{self.head}e:{entry_id}"
 
     def blob_key(self, digest: bytes) -> str:
         return f"{self.base}b:{digest.hex()}"
 
     def index_key(self, chained: bytes) -> str:
-        return f"{self.base}i:{chained.hex()}"
+        return f"{self.head}i:{chained.hex()}"
 
     def chain(self, tokens: np.ndarray, n_blocks: int | None = None) -> list[bytes]:
         """The chained hashes of the first ``n_blocks`` whole blocks of ``tokens`` (all of them by default)."""

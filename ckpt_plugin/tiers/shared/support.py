@@ -8,14 +8,15 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Iterator, TypeVar
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Iterator
 from urllib.parse import urlsplit
 
 from prometheus_client import Histogram
 
 from ckpt_plugin.core.checkpoint import StateBuffer
-from ckpt_plugin.tiers.shared.format import blob_digest
+from ckpt_plugin.tiers.shared.format import Manifest, Partition, blob_digest
 from ckpt_plugin.tiers.protocol import Tier
 
 log = logging.getLogger("ckpt_plugin")
@@ -41,7 +42,6 @@ FORGET_BATCH = 500
 a background thread), and a round trip carries many keys."""
 FORGETS = 1024
 """Forgotten partitions remembered (with when), so that writes queued before a forget write nothing."""
-_T = TypeVar("_T")
 
 
 @dataclass
@@ -61,6 +61,52 @@ class SharedCounters:
     write_drops: int = 0
     round_trips: int = 0
     write_round_trips: int = 0
+
+
+class Tally:
+    """A tier's :class:`SharedCounters` and the lock that guards them (requests and the write-behind thread count
+    at once)."""
+
+    def __init__(self) -> None:
+        self.counters = SharedCounters()
+        self._lock = threading.Lock()
+
+    def add(self, **amounts: int) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self.counters, name, getattr(self.counters, name) + amount)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return asdict(self.counters)
+
+
+class Lineage:
+    """Manifests this replica restored from or wrote recently, by partition: the next entries of their lineages name
+    their checkpoints, which the slot does not hold."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
+
+    def note(self, partition: Partition, manifest: Manifest) -> None:
+        key = (partition.base, partition.entry_id(manifest.entry.tokens))
+        with self._lock:
+            self._manifests[key] = manifest
+            self._manifests.move_to_end(key)
+            while len(self._manifests) > LINEAGE_MANIFESTS:
+                self._manifests.popitem(last=False)
+
+    def of(self, partition: Partition) -> list[Manifest]:
+        with self._lock:
+            return [m for (base, _), m in self._manifests.items() if base == partition.base]
+
+    def forget(self, base: str) -> None:
+        """Forget the manifests of every partition whose keys start with ``base``: later manifests must not name
+        checkpoints whose blobs are about to go."""
+        with self._lock:
+            for key in [k for k in self._manifests if k[0].startswith(base)]:
+                del self._manifests[key]
 
 
 def latency_histogram(name: str, documentation: str) -> Histogram:

@@ -1,6 +1,6 @@
-"""The write side of the shared tier: entries written behind the response, a tenant's partition forgotten, the
-markers of slots already offered. :class:`SharedWrites` is the base of :class:`~ckpt_plugin.tiers.shared.tier.SharedTier`,
-which owns the connections and the state these methods use (declared here)."""
+"""The write side of the shared tier: entries written behind the response, and a tenant's partition forgotten.
+:class:`SharedWriter` is owned by :class:`~ckpt_plugin.tiers.shared.tier.SharedTier`, which hands it the parts both
+sides use (the server, the counters, the lineage, the digests, the write-behind queue)."""
 
 from __future__ import annotations
 
@@ -8,51 +8,46 @@ import logging
 import re
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
 
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.tiers.protocol import Admission
-from ckpt_plugin.tiers.shared.format import BLOCK_TOKENS, Manifest, Partition, encode_manifest
+from ckpt_plugin.tiers.shared.connection import SharedServer
+from ckpt_plugin.tiers.shared.format import BLOCK_TOKENS, Partition, encode_manifest
 from ckpt_plugin.tiers.shared.write_behind import Job, WriteBehind
-from ckpt_plugin.tiers.shared.support import FORGETS, RECENT, FORGET_BATCH, FORGET_SCAN_COUNT, WRITE_DELAY, DigestCache, Reads, SharedCounters
+from ckpt_plugin.tiers.shared.support import (FORGETS, RECENT, FORGET_BATCH, FORGET_SCAN_COUNT, WRITE_DELAY,
+                                              DigestCache, Lineage, Reads, Tally)
 
 log = logging.getLogger("ckpt_plugin")
 
 
-class SharedWrites:
-    """Writes, forgets and publish markers of a :class:`~ckpt_plugin.tiers.shared.tier.SharedTier` (see the module)."""
+class SharedWriter:
+    """Writes and forgets of a :class:`~ckpt_plugin.tiers.shared.tier.SharedTier` (see the module).
 
-    url: str
-    prefix: str
-    ttl: int | None
-    counters: SharedCounters
-    _writer: Any
-    _errors: tuple[type[BaseException], ...]
-    _unreachable: tuple[type[BaseException], ...]
-    _digests: DigestCache
-    _recent: OrderedDict[str, tuple[float, str]]
-    _forgotten: OrderedDict[str, float]
-    _write_lock: threading.Lock
-    _lineage: OrderedDict[tuple[str, str], Manifest]
-    _lock: threading.Lock
-    _reads: Reads
-    _up: bool
-    _published: weakref.WeakKeyDictionary[Any, tuple[int, str]]
-    _queue: WriteBehind
+    :param partition: ``partition(namespace, fingerprint)``: the tier's key layout of a partition.
+    :param ttl: Seconds keys live after their last write (``None``: until evicted).
+    """
 
-    # The read side's, defined by SharedTier.
-    def _count(self, **amounts: int) -> None: ...
-
-    def _failed(self, what: str, exc: BaseException) -> None: ...
-
-    def partition(self, namespace: str, fingerprint: str) -> Partition: ...
-
-    def _note(self, partition: Partition, manifest: Manifest) -> None: ...
-
-    def _lineage_of(self, partition: Partition) -> list[Manifest]: ...
+    def __init__(self, server: SharedServer, partition: Callable[[str, str], Partition], ttl: int | None,
+                 tally: Tally, lineage: Lineage, digests: DigestCache, reads: Reads, queue: WriteBehind) -> None:
+        self.server = server
+        self.partition = partition
+        self.ttl = ttl
+        self.tally = tally
+        self.lineage = lineage
+        self.digests = digests
+        self.reads = reads
+        self.queue = queue
+        self._lock = threading.Lock()
+        # entry id -> (when claimed, its partition's key prefix)
+        self._recent: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        # key prefix of a forgotten partition -> when (monotonic); see forget()
+        self._forgotten: OrderedDict[str, float] = OrderedDict()
+        # Held for a whole entry's write and for a forget: a forget waits for the write in progress, and a write
+        # after it sees its mark.
+        self._write_lock = threading.Lock()
 
     # -------------------------------------------------------------------------------------------------------------
     # writes
@@ -73,8 +68,8 @@ class SharedWrites:
         if entry.n_tokens < BLOCK_TOKENS or not self._claim(entry_id, partition.base):
             release()
             return False
-        if not self._up:
-            self._count(write_drops=1)
+        if not self.server.usable(()):
+            self.tally.add(write_drops=1)
             self._unclaim(entry_id)
             release()
             return False
@@ -82,7 +77,7 @@ class SharedWrites:
         submitted = time.monotonic()
 
         def run() -> None:
-            self._reads.wait_quiet(submitted, WRITE_DELAY)
+            self.reads.wait_quiet(submitted, WRITE_DELAY)
             written[0] = self._write(partition, entry_id, entry, submitted)
 
         def done() -> None:
@@ -90,7 +85,7 @@ class SharedWrites:
                 self._unclaim(entry_id)  # dropped or failed: a later offer of the same state is written
             release()
 
-        return self._queue.submit(Job(run, done))
+        return self.queue.submit(Job(run, done))
 
     def _claim(self, entry_id: str, base: str) -> bool:
         """Record that ``entry_id`` (of the partition whose keys start with ``base``) is being written, unless it was
@@ -117,28 +112,33 @@ class SharedWrites:
         to forget."""
         with self._write_lock:
             if self._forgotten_since(partition.base, submitted):
-                log.debug("shared tier %s: not writing an entry of a partition forgotten since", self.url)
+                log.debug("shared tier %s: not writing an entry of a partition forgotten since", self.server.url)
                 return False
-            if not self._up:
-                self._count(write_drops=1)
-                return False
+            keys: list[str] = [partition.entry_key(entry_id)]
             try:
-                return self._write_entry(partition, entry_id, entry)
-            except self._errors as exc:
-                self._count(write_errors=1)
-                self._failed("write", exc)
+                return self._write_entry(partition, entry_id, entry, keys)
+            except self.server.errors as exc:
+                self.tally.add(write_errors=1)
+                self.server.failed("write", exc, keys)
                 return False
 
-    def _write_entry(self, partition: Partition, entry_id: str, entry: CacheEntry) -> bool:
-        """Blobs first, then the manifest, then the index: a reader that finds an index key finds the rest."""
-        encoded = encode_manifest(entry, self._digests.digest, self._lineage_of(partition))
+    def _write_entry(self, partition: Partition, entry_id: str, entry: CacheEntry, keys: list[str]) -> bool:
+        """Blobs first, then the manifest, then the index: a reader that finds an index key finds the rest. ``keys``
+        gets the keys written (a failure is the fault of their nodes)."""
+        encoded = encode_manifest(entry, self.digests.digest, self.lineage.of(partition))
         blobs = encoded.blobs
         blob_keys = {digest: partition.blob_key(digest) for digest in blobs}
-        pipe = self._writer.pipeline(transaction=False)
+        keys += blob_keys.values()
+        if not self.server.usable(keys):  # a node of the cluster that holds some of them is down
+            self.tally.add(write_drops=1)
+            return False
+        writer = self.server.writer
+        # In a cluster, each pipeline sends each node its commands at once (redis-py groups them by node).
+        pipe = writer.pipeline(transaction=False)
         for key in blob_keys.values():
             pipe.exists(key)
         present = pipe.execute()
-        pipe = self._writer.pipeline(transaction=False)
+        pipe = writer.pipeline(transaction=False)
         written = 0
         for (digest, key), exists in zip(blob_keys.items(), present):
             if not exists:
@@ -151,14 +151,14 @@ class SharedWrites:
                 pipe.expire(partition.blob_key(digest), self.ttl)
         if not self._executed(pipe, "write blobs"):
             return False
-        pipe = self._writer.pipeline(transaction=False)
+        pipe = writer.pipeline(transaction=False)
         pipe.set(partition.entry_key(entry_id), encoded.data, ex=self.ttl)
         for chained in partition.chain(entry.tokens):
             pipe.set(partition.index_key(chained), entry_id, ex=self.ttl)
         if not self._executed(pipe, "write manifest"):
             return False
-        self._count(writes=1, bytes_written=written + len(encoded.data), write_round_trips=3)
-        self._note(partition, encoded.manifest)
+        self.tally.add(writes=1, bytes_written=written + len(encoded.data), write_round_trips=3)
+        self.lineage.note(partition, encoded.manifest)
         return True
 
     def _executed(self, pipe: Any, what: str) -> bool:
@@ -167,11 +167,11 @@ class SharedWrites:
         refused = [r for r in results if isinstance(r, BaseException)]
         if not refused:
             return True
-        unreachable = [r for r in refused if isinstance(r, self._unreachable)]
-        if unreachable:
-            raise unreachable[0]
-        self._count(write_errors=1)
-        log.warning("shared tier %s: %s refused: %s", self.url, what, refused[0])
+        faults = [r for r in refused if isinstance(r, self.server.node_faults)]
+        if faults:
+            raise faults[0]
+        self.tally.add(write_errors=1)
+        log.warning("shared tier %s: %s refused: %s", self.server.url, what, refused[0])
         return False
 
     # -------------------------------------------------------------------------------------------------------------
@@ -179,9 +179,9 @@ class SharedWrites:
 
     def forget(self, namespace: str | None, fingerprint: str) -> int | None:
         """Delete every key of ``namespace``'s partition of model ``fingerprint`` (of every namespace of that model,
-        for ``None``): manifests, blobs and index keys; return how many manifests (entries) went, or ``None`` if the
-        server could not do it (unreachable, or the ACL refuses ``SCAN``/``UNLINK``; a warning and
-        ``ckpt_shared_errors_total``).
+        for ``None``): manifests, blobs and index keys, on every node of a cluster; return how many manifests
+        (entries) went, or ``None`` if the server could not do it (unreachable, a node of the cluster down, or the
+        ACL refuses ``SCAN``/``UNLINK``; a warning and ``ckpt_shared_errors_total``).
 
         Waits for a write in progress (its keys are then deleted too); writes of that partition queued before this
         call write nothing. Keys are found with ``SCAN ... MATCH <partition>*`` and deleted with ``UNLINK`` in
@@ -189,10 +189,11 @@ class SharedWrites:
         The cost grows with the server's whole keyspace (``SCAN`` walks it), about one round trip per
         :data:`FORGET_SCAN_COUNT` keys. Other replicas' RAM and disk tiers are theirs to clear.
         """
-        base = self.partition(namespace if namespace is not None else "", fingerprint).base
-        if namespace is None:
-            # "<prefix>:<fp>:<ns>:" -> "<prefix>:<fp>:": every namespace of the model (digests hold no ':').
-            base = base[: base.rstrip(":").rfind(":") + 1]
+        partition = self.partition(namespace if namespace is not None else "", fingerprint)
+        prefixes = partition.key_prefixes(every_namespace=namespace is None)
+        base = prefixes[0]
+        if not partition.tagged:
+            prefixes = prefixes[:1]  # one server's keys are all under the untagged prefix: one SCAN
         with self._write_lock:
             with self._lock:
                 self._forgotten[base] = time.monotonic()
@@ -202,28 +203,32 @@ class SharedWrites:
                 # A state of the partition offered again later is new state: write it then.
                 for entry_id in [i for i, (_, b) in self._recent.items() if b.startswith(base)]:
                     del self._recent[entry_id]
-                # Later manifests must not name checkpoints whose blobs are about to go.
-                for key in [k for k in self._lineage if k[0].startswith(base)]:
-                    del self._lineage[key]
+            self.lineage.forget(base)
+            if not self.server.usable(()):
+                self.tally.add(errors=1)
+                log.warning("shared tier %s: cannot forget while unreachable", self.server.url)
+                return None
             try:
-                return self._unlink_matching(_glob_escape(base) + "*")
-            except self._errors as exc:
-                self._failed("forget", exc)
+                return sum(self._unlink_matching(_glob_escape(prefix) + "*") for prefix in prefixes)
+            except self.server.errors as exc:
+                self.server.failed("forget", exc)
                 return None
 
     def _unlink_matching(self, pattern: str) -> int:
-        """``UNLINK`` every key matching ``pattern``, found by ``SCAN``; return how many were manifests."""
+        """``UNLINK`` every key matching ``pattern``, found by ``SCAN`` (of every node of a cluster); return how many
+        were manifests."""
+        writer = self.server.writer
         manifests = 0
         batch: list[bytes] = []
 
         def flush() -> int:
-            self._writer.unlink(*batch)
+            writer.unlink(*batch)  # in a cluster, redis-py splits it per slot, pipelined per node
             # A manifest's key is "<partition>e:<entry id>"; ids are hex digits, so the kind is the part before.
             found = sum(1 for key in batch if key.rsplit(b":", 2)[-2] == b"e")
             batch.clear()
             return found
 
-        for key in self._writer.scan_iter(match=pattern, count=FORGET_SCAN_COUNT):
+        for key in writer.scan_iter(match=pattern, count=FORGET_SCAN_COUNT):
             batch.append(key)
             if len(batch) >= FORGET_BATCH:
                 manifests += flush()
@@ -235,15 +240,6 @@ class SharedWrites:
         """Whether a partition whose keys start with ``base`` was forgotten at or after ``since``."""
         with self._lock:
             return any(base.startswith(prefix) and when >= since for prefix, when in self._forgotten.items())
-
-    def publish_marker(self, owner: Any, marker: tuple[int, str]) -> bool:
-        """Record that ``owner`` (a manager) offered its slot at ``marker`` (version, namespace); ``False`` if it
-        already had."""
-        with self._lock:
-            if self._published.get(owner) == marker:
-                return False
-            self._published[owner] = marker
-            return True
 
 
 def _glob_escape(text: str) -> str:

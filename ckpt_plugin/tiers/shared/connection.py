@@ -1,0 +1,200 @@
+"""The shared tier's server: one Redis or Valkey server, or a Redis Cluster (or Valkey cluster) reached through any
+of its nodes; its clients, its key layout, and which of its nodes answer.
+
+Whether the URL names a cluster node is asked on connecting (``CLUSTER SLOTS``: a standalone server refuses it, a
+cluster node answers with the slot map redis-py's cluster client needs anyway), so an operator gives any node's URL
+and nothing else. A cluster is spoken to through redis-py's :class:`~redis.RedisCluster`: it routes each command to
+the node of its key's slot, follows ``MOVED`` and ``ASK`` while slots move, splits multi-key commands per slot and
+pipelines per node.
+
+Faults are per node: a node that fails (unreachable, hung, or saying the cluster is down) is left alone until a probe
+answers, while requests whose keys live on the other nodes go on using them. A standalone server is a cluster of one
+node here: when it fails, the whole tier waits for the probe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Iterable
+
+from ckpt_plugin.tiers.shared.format import Partition
+from ckpt_plugin.tiers.shared.support import WRITE_TIMEOUT, Tally, redacted
+
+log = logging.getLogger("ckpt_plugin")
+
+SERVER = "server"
+"""The node name of a standalone server (a cluster's nodes are named ``host:port``)."""
+
+
+class SharedServer:
+    """The clients of the server (or cluster) at ``url``; nothing is connected until :meth:`connect`.
+
+    :param url: As :class:`~ckpt_plugin.tiers.shared.tier.SharedTier` takes it.
+    :param timeout: Seconds a read or a connection attempt may take.
+    :param tally: Where failures are counted (``errors``).
+    :param retry: Seconds between probes of a failed node (for the log line).
+    """
+
+    def __init__(self, url: str, timeout: float, tally: Tally, retry: float) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._redis = redis
+        self._url = url
+        self.url = redacted(url)
+        self.timeout = timeout
+        self.retry = retry
+        self.tally = tally
+        self.cluster: bool | None = None  # None until connected
+        self.reader: Any = None
+        self.writer: Any = None
+        # No retries inside redis-py: a failure is a miss now and a probe later, never a request waiting.
+        self._retry = Retry(NoBackoff(), 0)
+        self.errors: tuple[type[BaseException], ...] = (redis.RedisError, redis.RedisClusterException, OSError)
+        # Faults of a node (rather than of a command): the node is left alone until a probe answers. A cluster
+        # whose slots are not all served answers CLUSTERDOWN from its live nodes (with the servers' default
+        # cluster-require-full-coverage), and a node just restarted does so until it has rejoined.
+        self.node_faults: tuple[type[BaseException], ...] = (
+            redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.ClusterDownError,
+            redis.exceptions.SlotNotCoveredError, redis.exceptions.RedisClusterUnreachableError)
+        self._lock = threading.Lock()
+        self._down: dict[str, float] = {SERVER: time.monotonic()}  # nothing is known to answer before connect()
+        self._partitions: dict[tuple[str, str, str, bool], Partition] = {}
+
+    # -------------------------------------------------------------------------------------------------------------
+    # connecting
+
+    def connect(self) -> None:
+        """Ask whether the URL names a cluster node and make the clients (one round trip, one more for a cluster's
+        slot map); raises what redis-py raises."""
+        redis = self._redis
+        options: dict[str, Any] = dict(socket_connect_timeout=self.timeout, client_name="ckpt_plugin")
+        probe = redis.Redis.from_url(self._url, socket_timeout=self.timeout, retry=self._retry, **options)
+        try:
+            probe.execute_command("CLUSTER", "SLOTS")
+            cluster = True
+        except redis.ResponseError:  # "cluster support disabled", or an ACL user without it on a standalone server
+            cluster = False
+        finally:
+            probe.close()
+        from redis.connection import Encoder, PythonRespSerializer
+
+        # States are tens of MB: read them in 1 MiB gulps rather than redis-py's 64 KiB (20% faster here).
+        reads: dict[str, Any] = dict(socket_timeout=self.timeout, socket_read_size=1 << 20, **options)
+        # hiredis packs a command into one new buffer (two copies of every state); this packer sends them as they are.
+        writes: dict[str, Any] = dict(socket_timeout=max(WRITE_TIMEOUT, self.timeout), **options,
+                                      command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode))
+        if cluster:
+            # A node down leaves its slots unserved; the client still serves the others' (require_full_coverage).
+            made = [redis.RedisCluster.from_url(self._url, retry=self._retry, require_full_coverage=False, **kwargs)
+                    for kwargs in (reads, writes)]
+        else:
+            made = [redis.Redis.from_url(self._url, retry=self._retry, **kwargs) for kwargs in (reads, writes)]
+        old = (self.reader, self.writer)
+        with self._lock:
+            self.reader, self.writer = made
+            self.cluster = cluster
+            self._down.clear()
+        for client in old:
+            if client is not None:
+                client.close()
+        log.info("shared tier %s: %s", self.url, "a cluster of %d nodes" % len(self.reader.get_nodes()) if cluster
+                 else "one server")
+
+    # -------------------------------------------------------------------------------------------------------------
+    # the key layout
+
+    def partition(self, prefix: str, namespace: str, fingerprint: str) -> Partition:
+        """The keys of (``namespace``, ``fingerprint``) under ``prefix``: in a cluster, the manifests and index keys
+        of a partition share one hash slot (a lookup is one node's), blobs are spread over every slot."""
+        key = (prefix, namespace, fingerprint, bool(self.cluster))
+        partition = self._partitions.get(key)
+        if partition is None:  # slots and the write-behind thread ask at once: one object per key all the same
+            partition = self._partitions.setdefault(key, Partition(prefix, fingerprint, namespace, bool(self.cluster)))
+        return partition
+
+    def mget(self, keys: list[str]) -> list[bytes | None]:
+        """The values of ``keys``: one ``MGET``; in a cluster, one per slot, each node's sent at once."""
+        reader = self.reader
+        return reader.mget_nonatomic(keys) if self.cluster else reader.mget(keys)
+
+    # -------------------------------------------------------------------------------------------------------------
+    # health
+
+    @property
+    def up(self) -> bool:
+        """Whether every node answers (``False`` from a node's failure until a probe answers)."""
+        with self._lock:
+            return not self._down
+
+    def nodes_of(self, keys: Iterable[str]) -> set[str]:
+        """The nodes serving ``keys`` (as far as the client knows)."""
+        with self._lock:
+            client, cluster = self.reader, self.cluster
+        if not cluster:
+            return {SERVER}
+        return {client.get_node_from_key(key).name for key in keys}
+
+    def usable(self, keys: Iterable[str]) -> bool:
+        """Whether every node serving ``keys`` answers: the request may ask them."""
+        with self._lock:
+            if SERVER in self._down or self.reader is None:
+                return False
+            if not self._down:
+                return True
+        return not (self.nodes_of(keys) & self._down.keys())
+
+    def failed(self, what: str, exc: BaseException, keys: Iterable[str] = ()) -> None:
+        """Count a failure; the nodes serving ``keys`` (every node of a standalone server) are left alone until a
+        probe answers if it is a fault of theirs."""
+        self.tally.add(errors=1)
+        if not isinstance(exc, self.node_faults):
+            log.warning("shared tier %s: %s failed: %s", self.url, what, exc)
+            return
+        try:
+            nodes = self.nodes_of(keys) if self.cluster else {SERVER}
+        except Exception:  # the client's slot map is not there yet: wait for the probe of every node
+            nodes = {SERVER}
+        if self.cluster and not nodes:
+            nodes = {SERVER}
+        now = time.monotonic()
+        with self._lock:
+            new = sorted(node for node in nodes if node not in self._down)
+            for node in new:
+                self._down[node] = now
+        if new:
+            log.warning("shared tier %s unavailable%s (%s: %s); serving from the local tiers, probing every %.1f s",
+                        self.url, "" if new == [SERVER] else f" on {', '.join(new)}", what, exc, self.retry)
+
+    def probe(self) -> None:
+        """Ask each failed node (or the server, or, before the first connection, the URL) whether it answers
+        again; a node that answers is used again, with fresh connections."""
+        with self._lock:
+            down = list(self._down)
+        if not down:
+            return
+        if SERVER in down or self.reader is None:
+            try:
+                self.connect()  # a standalone server replaced by a cluster (or back) is found out here
+            except self.errors:
+                return
+            log.warning("shared tier %s reachable again", self.url)
+            return
+        for name in down:
+            node = self.reader.get_node(node_name=name)
+            try:
+                if node is not None:  # gone from the slot map (failed over): nothing to wait for
+                    self.reader.ping(target_nodes=node)
+            except self.errors:
+                continue
+            # Connections made before the outage are dead: drop them rather than fail one request on each.
+            for client in (self.reader, self.writer):
+                known = client.get_node(node_name=name)
+                if known is not None and known.redis_connection is not None:
+                    known.redis_connection.connection_pool.disconnect()
+            with self._lock:
+                self._down.pop(name, None)
+            log.warning("shared tier %s reachable again on %s", self.url, name)
