@@ -2,10 +2,10 @@
 
 On Gemma-3-270M (n_ctx 4096, n_batch 512, 2 threads, ``swa_full=False``) after a 1,500-token prompt:
 
-- capture: ``manager.checkpoint()`` (partial: the sliding-window part) and a full capture (``manager._capture`` and
+- capture: ``manager.checkpoint()`` (partial: the sliding-window part) and a full capture (``memory.capture`` and
   ``manager.save()`` on a changed slot) against ``llama_state_seq_get_data_ext`` into a preallocated buffer of the
   same size;
-- restore: ``manager._restore(checkpoint)`` / ``manager.load(entry)`` against ``llama_state_seq_set_data_ext`` from
+- restore: ``memory.restore(checkpoint)`` / ``manager.load(entry)`` against ``llama_state_seq_set_data_ext`` from
   the same buffer;
 - llama-cpp-python's own ``Llama.save_state()`` / ``load_state()`` on the same context;
 - bytes allocated per operation (tracemalloc peak) and state bytes copied (``manager.counters``);
@@ -157,7 +157,7 @@ def open_context() -> Context:
 
 def drop_reused_capture(manager: ckpt_plugin.CheckpointManager) -> None:
     """Forget the full capture ``save()`` reuses while the slot does not change, as a change of the slot would."""
-    manager.slots[0]._full_capture = None
+    manager.slots[0].memory.drop_full_capture()
 
 
 def save_changed(manager: ckpt_plugin.CheckpointManager) -> ckpt_plugin.CacheEntry:
@@ -209,7 +209,7 @@ def measure_capture(c: Context, other: Llama, repeats: int) -> dict[str, Samples
         "llama_state_seq_get_size_ext (partial)": lambda: llama_cpp.llama_state_seq_get_size_ext(
             c.ctx, 0, state_flags(True)
         ),
-        "manager._capture(partial=False)": replacing(lambda: m.slots[0]._capture(partial=False)),
+        "memory.capture(partial=False)": replacing(lambda: m.slots[0].memory.capture(partial=False)),
         "manager.save() (changed slot)": forced_save(m),
         "raw get full, preallocated buffer": raw_get(c.ctx, warm_buffer(c.full_bytes), False),
         "raw get full, fresh np.empty": replacing(lambda: _get_into_fresh(c.ctx, c.full_bytes, False)),
@@ -225,10 +225,10 @@ def measure_restore(c: Context, repeats: int) -> dict[str, Samples]:
     for check in (raw_set(c.ctx, checkpoint.target, True), raw_set(c.ctx, entry.state.target, False)):
         assert check() > 0, "llama.cpp refused a state it just produced"
     cases: dict[str, Case | Callable[[], object]] = {
-        "manager._restore(checkpoint) (partial)": lambda: m.slots[0]._restore(checkpoint),
+        "memory.restore(checkpoint) (partial)": lambda: m.slots[0].memory.restore(checkpoint),
         "raw set partial, same buffer": raw_set(c.ctx, checkpoint.target, True),
         "manager.load(entry) (full)": lambda: m.load(entry),
-        "manager._restore(entry.state) (full)": lambda: m.slots[0]._restore(entry.state),
+        "memory.restore(entry.state) (full)": lambda: m.slots[0].memory.restore(entry.state),
         "raw set full, same buffer": raw_set(c.ctx, entry.state.target, False),
     }
     return measure(cases, repeats)
@@ -295,10 +295,10 @@ def measure_memory(c: Context) -> list[MemoryRow]:
 
     ops: list[tuple[str, int, tuple[Callable[[], object], Callable[[object], int | None]]]] = [
         ("manager.checkpoint() (partial)", c.partial_bytes, by_manager(m.checkpoint)),
-        ("manager._capture(partial=False)", c.full_bytes, by_manager(lambda: m.slots[0]._capture(partial=False))),
+        ("memory.capture(partial=False)", c.full_bytes, by_manager(lambda: m.slots[0].memory.capture(partial=False))),
         ("manager.save() (changed slot)", c.full_bytes, by_manager(lambda: save_changed(m))),
         ("manager.save() (unchanged slot)", c.full_bytes, by_manager(m.save)),
-        ("manager._restore(checkpoint) (partial)", c.partial_bytes, by_manager(lambda: m.slots[0]._restore(checkpoint))),
+        ("memory.restore(checkpoint) (partial)", c.partial_bytes, by_manager(lambda: m.slots[0].memory.restore(checkpoint))),
         ("manager.load(entry) (full)", c.full_bytes, by_manager(lambda: m.load(entry))),
         ("raw get partial, preallocated buffer", c.partial_bytes,
          by_raw(raw_get(c.ctx, warm_buffer(c.partial_bytes), True))),
@@ -393,7 +393,7 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
         POOLED: pr,
         CREATE_AFTER_DECODE: RAW_AFTER_DECODE,
         "llama_state_seq_get_size_ext (partial)": pr,
-        "manager._capture(partial=False)": fr,
+        "memory.capture(partial=False)": fr,
         "manager.save() (changed slot)": fr,
         "raw get full, fresh np.empty": fr,
     }))
@@ -417,9 +417,9 @@ def build_report(c: Context, capture: dict[str, Samples], restore: dict[str, Sam
     rp, rf = "raw set partial, same buffer", "raw set full, same buffer"
     report.text("**Restore**")
     report.table(TIMING_HEADERS, _timing_rows(restore, {
-        "manager._restore(checkpoint) (partial)": rp,
+        "memory.restore(checkpoint) (partial)": rp,
         "manager.load(entry) (full)": rf,
-        "manager._restore(entry.state) (full)": rf,
+        "memory.restore(entry.state) (full)": rf,
     }))
     report.text(
         f"**llama-cpp-python's `Llama.save_state()` / `load_state()`** (the class's own methods called on the same "
@@ -484,8 +484,8 @@ def _add_copy_figures(report: Report, memory: list[MemoryRow]) -> None:
         return f"{max(worst, 0.0):.2f}"
 
     report.figure("extra state copies per save (checkpoint, capture, save) / per restore (restore, load)",
-                  f"{extra(('manager.checkpoint', 'manager._capture', 'manager.save'))} / "
-                  f"{extra(('manager._restore', 'manager.load'))}", "0")
+                  f"{extra(('manager.checkpoint', 'memory.capture', 'manager.save'))} / "
+                  f"{extra(('memory.restore', 'manager.load'))}", "0")
 
 
 def thp_setting() -> str:
@@ -515,12 +515,12 @@ def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str,
                   "cache residency)", r(capture, POOLED, "raw get partial, preallocated buffer"))
     report.figure("checkpoint create / raw get into a new buffer per call (steady state, freed blocks reused)",
                   r(capture, "manager.checkpoint() (partial)", ROTATING))
-    report.figure("full capture (_capture) / raw get (full)",
-                  r(capture, "manager._capture(partial=False)", "raw get full, preallocated buffer"))
+    report.figure("full capture (memory.capture) / raw get (full)",
+                  r(capture, "memory.capture(partial=False)", "raw get full, preallocated buffer"))
     report.figure("save() on a changed slot / raw get (full)",
                   r(capture, "manager.save() (changed slot)", "raw get full, preallocated buffer"))
     report.figure("restore (partial checkpoint) / raw set",
-                  r(restore, "manager._restore(checkpoint) (partial)", "raw set partial, same buffer"), "<= 1.15")
+                  r(restore, "memory.restore(checkpoint) (partial)", "raw set partial, same buffer"), "<= 1.15")
     report.figure("load(entry) (full) / raw set",
                   r(restore, "manager.load(entry) (full)", "raw set full, same buffer"), "<= 1.15")
     report.figure("Llama.save_state() / manager.save()", r(host, "Llama.save_state()", "manager.save() (changed slot)"))

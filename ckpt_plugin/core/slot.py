@@ -87,7 +87,8 @@ class Slot:
         if n > len(self._tokens):
             self._tokens = np.resize(self._tokens, max(n, 2 * len(self._tokens)))
 
-    def _set(self, lineage: np.ndarray, n_memory: int | None = None) -> None:
+    def set_lineage(self, lineage: np.ndarray, n_memory: int | None = None) -> None:
+        """Hold ``lineage[:n_memory]`` (all of it by default) in a new lineage."""
         n = len(lineage)
         self._reserve(n)
         self._tokens[:n] = lineage
@@ -95,7 +96,7 @@ class Slot:
         self.n_tokens = n if n_memory is None else min(n_memory, n)
         self.version += 1
 
-    def _append(self, tokens: np.ndarray) -> int | None:
+    def append(self, tokens: np.ndarray) -> int | None:
         """Append evaluated tokens; return where the lineage was rewritten from, or ``None`` if it was not."""
         start, end = self.n_tokens, self.n_tokens + len(tokens)
         self.version += 1
@@ -109,6 +110,7 @@ class Slot:
         self.n_tokens = self.n_lineage = end
         return start + same
 
-    def _truncate(self, n_keep: int) -> None:
+    def truncate(self, n_keep: int) -> None:
+        """Hold at most ``n_keep`` tokens; the lineage stays."""
         self.n_tokens = min(self.n_tokens, n_keep)
         self.version += 1

@@ -98,8 +98,8 @@ class CheckpointManager:
         self.captures = Captures(self.kind, backend.fingerprint, self.store, self.counters, self.hooks)
         self._clearing = threading.Lock()  # one clear_cache at a time (see there)
         self.slots = [
-            SlotController(slot_id, slot_backend, self.settings, self.rules, self.store, self.counters, self.hooks,
-                           self.captures)
+            SlotController(slot_id=slot_id, backend=slot_backend, settings=self.settings, rules=self.rules,
+                           store=self.store, counters=self.counters, hooks=self.hooks, captures=self.captures)
             for slot_id, slot_backend in enumerate((backend, *more_slots))
         ]
         if self.settings.load_entrypoints:
@@ -187,7 +187,7 @@ class CheckpointManager:
 
     def save_to_cache(self) -> CacheEntry | None:
         """Put slot 0's state into the prompt cache; the entry, or ``None`` if it was not admitted."""
-        return self.slots[0].save_to_cache()
+        return self.slots[0].memory.save_to_cache()
 
     def clear_slot(self) -> None:
         """Empty slot 0 (memory, tokens, checkpoints)."""
@@ -199,7 +199,7 @@ class CheckpointManager:
 
     def adopt_memory(self, tokens: np.ndarray) -> None:
         """Slot 0's memory was loaded outside the engine and holds ``tokens``."""
-        self.slots[0].adopt_memory(tokens)
+        self.slots[0].memory.adopt_memory(tokens)
 
     def current_namespace(self) -> str:
         """The namespace of the request being served (the manager's own outside a request scope)."""
@@ -223,7 +223,7 @@ class CheckpointManager:
             for entry in old.clear():
                 self.store.admit(entry, write_through=False)
             for controller in self.slots:
-                controller.pin_slot()
+                controller.memory.pin()
         if disk is not None:
             self.store.disk = disk
 
@@ -334,10 +334,10 @@ class CheckpointManager:
             with controller.lock:
                 controller.reconcile()
                 if controller.slot.n_tokens >= self.settings.cache_min_tokens:
-                    controller.save_to_cache()
+                    controller.memory.save_to_cache()
 
     def close(self) -> None:
         """Drop the slots' checkpoints and tell the plugins the manager is going away."""
         for controller in self.slots:
-            controller.close()
+            controller.memory.close()
         self.hooks.call(self.hooks.hook.on_detach)

@@ -1,8 +1,8 @@
-"""One slot of an engine: a sequence id of the model context, its live memory, lineage and checkpoints.
+"""The request path of one slot of an engine: namespaces, plans, restores, evaluation with pauses for checkpoints.
 
 The engine (:class:`~ckpt_plugin.engine.manager.CheckpointManager`) holds the parts every slot shares (settings, the store,
-the counters, the hooks, the captures); a :class:`SlotController` applies plans to its own sequence through its own
-:class:`~ckpt_plugin.core.slot.Backend`. Checkpoints and cache entries are immutable and shared by reference between slots
+the counters, the hooks, the captures); a :class:`SlotController` applies plans to its own sequence through its
+:class:`~ckpt_plugin.engine.slot_memory.SlotMemory`. Checkpoints and cache entries are immutable and shared by reference between slots
 and the cache: an entry saved from one slot restores into any other of the same context.
 
 Data flows one way: the host asks a slot to :meth:`~SlotController.prepare` a prompt and to
@@ -14,20 +14,30 @@ hooks, counts, and keeps its checkpoints and the store's pins consistent.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from ckpt_plugin.core.checkpoint import Checkpoint
+from ckpt_plugin.core.config import CheckpointSettings
 from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.core.slot import Backend, Slot
 from ckpt_plugin.tiers.cost_probes import CostProbe, live_keep
 from ckpt_plugin.policy.costs import PlanClock
 from ckpt_plugin.core.errors import StateRestoreError
-from ckpt_plugin.policy.plan import LiveMemory, Plan, keep_limit, plan_prompt, swa_threshold
-from ckpt_plugin.policy.schedule import branch_point, pause_points
+from ckpt_plugin.policy.plan import LiveMemory, MemoryKind, Plan, keep_limit, plan_prompt, swa_threshold
+from ckpt_plugin.policy.schedule import CheckpointRules, branch_point, pause_points
 from ckpt_plugin.core.request import RequestInterrupted, current_request
 from ckpt_plugin.engine.slot_memory import SlotMemory
 from ckpt_plugin.tiers.protocol import Tier
+
+if TYPE_CHECKING:
+    from ckpt_plugin.core.counters import Counters
+    from ckpt_plugin.engine.captures import Captures
+    from ckpt_plugin.plugins.engine_hooks import EngineHooks
+    from ckpt_plugin.tiers.store import TieredStore
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -35,8 +45,89 @@ _WINDOW_ATTEMPTS = 3
 """Plans applied at most for one prompt when other slots' decodes keep taking the window's cells meanwhile."""
 
 
-class SlotController(SlotMemory):
-    """One slot of an engine: :class:`SlotMemory` plus the request path (namespaces, plans, evaluation)."""
+class SlotController:
+    """One slot of an engine, as hosts and plugins use it (:class:`~ckpt_plugin.plugins.view.SlotView`): the request
+    path (namespaces, plans, evaluation with its pauses for checkpoints) over the slot's :class:`SlotMemory`.
+
+    :param slot_id: The slot's id (its sequence id).
+    :param backend: The sequence.
+    :param settings: The engine's settings.
+    :param rules: Checkpoint spacing and count.
+    :param store: The engine's tiers.
+    :param counters: The engine's counters.
+    :param hooks: The engine's hooks (plugins receive the engine and this slot's :class:`~ckpt_plugin.core.slot.Slot`).
+    :param captures: The engine's state copies.
+    :ivar memory: The sequence, its record and checkpoints.
+    :ivar lock: Held by the host-facing layer while a request uses the slot, and by the slot file operations.
+    :ivar busy: Set by the host-facing layer while a generation holds the slot (across its tokens, not only its calls).
+    :ivar branch_point: Where the prompt last prepared leaves the longest prefix it shares with a stored state, when
+        a restore could not serve all of it: a checkpoint is taken there (``schedule.branch_point``; 0: none).
+    """
+
+    def __init__(self, *, slot_id: int, backend: Backend, settings: CheckpointSettings, rules: CheckpointRules,
+                 store: TieredStore, counters: Counters, hooks: EngineHooks, captures: Captures) -> None:
+        self.settings = settings
+        self.rules = rules
+        self.store = store
+        self.counters = counters
+        self.hooks = hooks
+        # The engine's measured rates (one model in the engine's rules, switched on or off by the engine).
+        self.costs = rules.costs
+        self.memory = SlotMemory(slot_id=slot_id, backend=backend, settings=settings, store=store,
+                                 counters=counters, hooks=hooks, captures=captures, costs=self.costs)
+        # Reentrant: a slot changing hands keeps it from its prepare to its prompt's submission, across the host's
+        # calls that take it again (see BatchScheduler.held_until_submitted).
+        self.lock = threading.RLock()
+        self.busy = False
+        self.branch_point = 0
+        self.plan_clock: PlanClock | None = None
+        self.fetch_seconds = 0.0
+
+    # What plugins and hosts read and call on a slot (SlotView): the memory's, under the slot's name.
+    @property
+    def slot(self) -> Slot:
+        """The slot's tokens, lineage and checkpoints."""
+        return self.memory.slot
+
+    @property
+    def backend(self) -> Backend:
+        """The sequence in the model context."""
+        return self.memory.backend
+
+    @property
+    def kind(self) -> MemoryKind:
+        """The memory kind of the engine's context."""
+        return self.memory.kind
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the engine's context."""
+        return self.memory.fingerprint
+
+    @property
+    def last_restore_seconds(self) -> float:
+        """What the slot's latest restore took."""
+        return self.memory.last_restore_seconds
+
+    def checkpoint(self) -> Checkpoint | None:
+        """Take a partial checkpoint now and keep it (:meth:`SlotMemory.checkpoint`)."""
+        return self.memory.checkpoint()
+
+    def save(self) -> CacheEntry:
+        """The slot's full state with its checkpoints (:meth:`SlotMemory.save`)."""
+        return self.memory.save()
+
+    def load(self, entry: CacheEntry) -> int:
+        """Restore ``entry`` into the slot (:meth:`SlotMemory.load`)."""
+        return self.memory.load(entry)
+
+    def reconcile(self) -> None:
+        """Bring the slot in line with the memory (:meth:`SlotMemory.reconcile`)."""
+        self.memory.reconcile()
+
+    def clear_slot(self) -> None:
+        """Empty the memory and the slot (:meth:`SlotMemory.clear`)."""
+        self.memory.clear()
 
     def current_namespace(self) -> str:
         """The namespace of the request being served (the manager's own outside a request scope)."""
@@ -48,9 +139,9 @@ class SlotController(SlotMemory):
         slot = self.slot
         if slot.namespace == namespace:
             return
-        if slot.n_tokens >= self.settings.cache_min_tokens and not self.opaque:
-            self.save_to_cache()
-        self.clear_slot()
+        if slot.n_tokens >= self.settings.cache_min_tokens and not self.memory.opaque:
+            self.memory.save_to_cache()
+        self.memory.clear()
         slot.namespace = namespace
 
     def plan(self, prompt: np.ndarray, max_keep: int | None = None) -> Plan[CacheEntry]:
@@ -93,11 +184,11 @@ class SlotController(SlotMemory):
         """Take the slot for a new prompt: in line with the memory, without positions written from outside (a prompt
         is served from what token ids name), in the caller's namespace; return whether the slot was just loaded
         from the cache by the host itself."""
-        self.reconcile()
-        self.discard_opaque()
+        self.memory.reconcile()
+        self.memory.discard_opaque()
         self.enter_namespace(self.current_namespace())
         self.counters.add(prompts=1)
-        return self._loaded_from_cache == self.slot.version
+        return self.memory.just_loaded_from_cache()
 
     def _restore_for(self, plan: Plan[CacheEntry], window: int, prompt: np.ndarray,
                      max_keep: int | None) -> tuple[Plan[CacheEntry], CacheEntry | None, int]:
@@ -138,7 +229,7 @@ class SlotController(SlotMemory):
     def _record_reuse(self, prompt: np.ndarray, n_keep: int) -> None:
         """Count the tokens reused, pin what the slot now holds, and tell the request."""
         self.counters.add(tokens_reused=n_keep)
-        self.pin_slot()
+        self.memory.pin()
         scope = current_request.get()
         if scope is not None:
             scope.prompt_tokens, scope.cached_tokens = len(prompt), n_keep
@@ -154,7 +245,7 @@ class SlotController(SlotMemory):
                 self.counters.add(disk_hits=1)
             self.store.promote(plan.entry, plan.tier)
         if plan.park_live:
-            self.save_to_cache()
+            self.memory.save_to_cache()
         return plan, window
 
     def _apply_checked(self, plan: Plan[CacheEntry], window: int, prompt: np.ndarray,
@@ -181,7 +272,7 @@ class SlotController(SlotMemory):
                 return plan
             log.info("slot %d: another sequence took cells of its window before the cut to %d tokens; clearing it",
                      self.slot.id, plan.n_keep)
-            self.clear_slot()
+            self.memory.clear()
             if attempt < _WINDOW_ATTEMPTS:
                 plan, window = self._settle(prompt, max_keep)
         raise StateRestoreError(f"the window of slot {self.slot.id} kept moving under its plans; the slot was cleared")
@@ -195,28 +286,25 @@ class SlotController(SlotMemory):
 
     def _apply(self, plan: Plan[CacheEntry]) -> None:
         """Make the memory hold ``plan.n_keep`` tokens: truncate, or restore the entry and/or a checkpoint."""
-        slot, entry, n_keep = self.slot, plan.entry, plan.n_keep
+        memory, slot, entry, n_keep = self.memory, self.slot, plan.entry, plan.n_keep
         if not plan.needs_restore:
             if n_keep < slot.n_tokens:
-                self._cut(n_keep)
+                memory.cut(n_keep)
             return
         started = time.perf_counter()
         if entry is not None:
             self.counters.add(cache_hits=1)
             self.hooks.call(self.hooks.hook.on_cache_hit, slot=slot, entry=entry, n_tokens=n_keep)
             if plan.restore_state:
-                self._restore(entry.state)
+                memory.restore(entry.state)
             self.store.touch(entry)
         if plan.checkpoint is not None:
-            self._restore(plan.checkpoint)
+            memory.restore(plan.checkpoint)
             self.counters.add(checkpoints_restored=1)
-        self._cut(n_keep)
+        memory.cut(n_keep)
         if entry is not None:
-            self._adopt(entry.tokens, entry.checkpoints, n_keep)
-        self.last_restore_seconds = time.perf_counter() - started
-        self.counters.add(restore_seconds=self.last_restore_seconds)
-        self.hooks.call(self.hooks.hook.on_slot_restore, slot=slot, checkpoint=plan.checkpoint, entry=entry,
-                        n_tokens=n_keep)
+            memory.adopt(entry.tokens, entry.checkpoints, n_keep)
+        memory.restored(time.perf_counter() - started, plan.checkpoint, entry)
 
     def process(self, tokens: Sequence[int] | np.ndarray, prompt_end: int | None = None) -> None:
         """Evaluate ``tokens`` after the slot's end, pausing where checkpoints may be taken.
@@ -234,7 +322,7 @@ class SlotController(SlotMemory):
         if len(tokens) and int(tokens.min()) < 0:
             raise ValueError("negative token ids stand for media positions, which only their media chunk evaluates")
         slot = self.slot
-        self.discard_opaque()
+        self.memory.discard_opaque()
         start = slot.n_tokens
         end = start + len(tokens)
         if prompt_end is None:
@@ -254,19 +342,19 @@ class SlotController(SlotMemory):
                 # The request stopped between two batches of the chunk: the slot records what the memory holds.
                 if exc.evaluated:
                     self._evaluated(chunk[: exc.evaluated], time.perf_counter() - decoding, prompt_end)
-                self.pin_slot()
+                self.memory.pin()
                 raise
             self._evaluated(chunk, time.perf_counter() - decoding, prompt_end,
                             next_token=(b, int(tokens[b - start])) if b == branch and b < end else None)
         if start < branch <= end:
             self.branch_point = 0  # one prompt's, spent by the evaluation that passed it
-        self.pin_slot()
+        self.memory.pin()
 
     def process_media(self, ids: np.ndarray, decode: Callable[[], None], prompt_end: int) -> None:
         """Evaluate one media chunk after the slot's end: ``decode`` fills its positions (llama.cpp's multimodal
         helper), and the slot records them under ``ids`` (:func:`~ckpt_plugin.core.media.media_token_ids`), so that the
         chunk is matched, cached and restored like tokens."""
-        self.discard_opaque()
+        self.memory.discard_opaque()
         decoding = time.perf_counter()
         decode()
         # Prompts often part right after an image (another question about it), and a chunk costs far more to
@@ -276,7 +364,7 @@ class SlotController(SlotMemory):
             self._evaluated(np.asarray(ids, dtype=np.int32), time.perf_counter() - decoding, prompt_end)
         finally:
             self.branch_point = saved
-        self.pin_slot()
+        self.memory.pin()
 
     def _evaluated(self, chunk: np.ndarray, seconds: float, prompt_end: int,
                    next_token: tuple[int, int] | None = None) -> None:
@@ -289,16 +377,12 @@ class SlotController(SlotMemory):
         a = slot.n_tokens
         b = a + len(chunk)
         self._decoded(a, b, seconds)
-        rewritten_from = slot._append(chunk)
-        if rewritten_from is not None:
-            self._invalidate_after(rewritten_from)
+        self.memory.append(chunk)
         self.counters.add(tokens_evaluated=len(chunk))
-        # The last full capture describes the old memory: do not keep its bytes alive for nothing.
-        self._full_capture = None
         if next_token is not None and next_token[0] < slot.n_lineage and slot.lineage[next_token[0]] != next_token[1]:
             # The prompt leaves the lineage here: its checkpoints past this point go now rather than with the
             # next chunk, so that the branch checkpoint is the newest.
-            self._invalidate_after(next_token[0])
+            self.memory.invalidate_after(next_token[0])
         if a < prompt_end:
             self.hooks.call(self.hooks.hook.on_prompt_processed, slot=slot, start=a, end=b, prompt_end=prompt_end)
 

@@ -1,15 +1,16 @@
-"""The memory of one slot of an engine: a sequence id of the model context, its lineage and checkpoints.
+"""The memory of one slot of an engine: a sequence of the model context, its lineage and checkpoints.
 
-The engine (:class:`~ckpt_plugin.engine.manager.CheckpointManager`) holds the parts every slot shares (settings, the store,
-the counters, the hooks, the captures); each slot applies plans to its own sequence through its own
-:class:`~ckpt_plugin.core.slot.Backend`. Checkpoints and cache entries are immutable and shared by reference between slots
-and the cache: an entry saved from one slot restores into any other slot of the same context.
+The engine (:class:`~ckpt_plugin.engine.manager.CheckpointManager`) holds the parts every slot shares (settings, the
+store, the counters, the hooks, the captures); a :class:`SlotMemory` changes one sequence through its own
+:class:`~ckpt_plugin.core.slot.Backend` and keeps the slot's record (:class:`~ckpt_plugin.core.slot.Slot`), its
+checkpoints and the store's pins consistent with it. It decides nothing: which state to restore and where to pause
+for checkpoints is the request path's. Checkpoints and cache entries are immutable and shared by reference between
+slots and the cache: an entry saved from one slot restores into any other slot of the same context.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -18,11 +19,10 @@ import numpy as np
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.checkpoint import Checkpoint
 from ckpt_plugin.core.config import CheckpointSettings
-from ckpt_plugin.policy.costs import RAM, PlanClock
+from ckpt_plugin.policy.costs import RAM, CostModel
 from ckpt_plugin.core.errors import CaptureError, OpaqueMemoryError, StateRestoreError
 from ckpt_plugin.policy.eviction import checkpoints_to_erase, slot_checkpoint_limit
 from ckpt_plugin.policy.plan import MemoryKind
-from ckpt_plugin.policy.schedule import CheckpointRules
 from ckpt_plugin.core.slot import Backend, Slot
 
 if TYPE_CHECKING:
@@ -36,47 +36,36 @@ log = logging.getLogger("ckpt_plugin")
 
 class SlotMemory:
     """The memory of one slot (sequence ``slot_id`` of the context behind ``backend``): captures, restores,
-    checkpoints and what the store pins for it. :class:`SlotController` adds the request path.
+    truncations, checkpoints and what the store pins for it.
 
     :param slot_id: The slot's id (its sequence id).
     :param backend: The sequence.
     :param settings: The engine's settings.
-    :param rules: Checkpoint spacing and count.
     :param store: The engine's tiers.
     :param counters: The engine's counters.
-    :param hooks: The engine's hooks (plugins receive the engine and this slot's :class:`~ckpt_plugin.core.slot.Slot`).
+    :param hooks: The engine's hooks (plugins receive this slot's :class:`~ckpt_plugin.core.slot.Slot`).
     :param captures: The engine's state copies.
-    :ivar lock: Held by the host-facing layer while a request uses the slot, and by the slot file operations.
-    :ivar branch_point: Where the prompt last prepared leaves the longest prefix it shares with a stored state, when
-        a restore could not serve all of it: a checkpoint is taken there (``schedule.branch_point``; 0: none).
+    :param costs: The engine's measured rates (captures and restores are observed into it).
+    :ivar opaque: The memory holds positions past ``slot.n_tokens`` that no token id names (written from outside).
+    :ivar last_restore_seconds: What the latest restore took.
     """
 
-    def __init__(self, slot_id: int, backend: Backend, settings: CheckpointSettings, rules: CheckpointRules,
-                 store: TieredStore, counters: Counters, hooks: EngineHooks, captures: Captures) -> None:
+    def __init__(self, *, slot_id: int, backend: Backend, settings: CheckpointSettings, store: TieredStore,
+                 counters: Counters, hooks: EngineHooks, captures: Captures, costs: CostModel) -> None:
         self.backend = backend
         self.settings = settings
-        self.rules = rules
         self.store = store
         self.counters = counters
         self.hooks = hooks
         self.captures = captures
-        # Reentrant: a slot changing hands keeps it from its prepare to its prompt's submission, across the host's
-        # calls that take it again (see BatchScheduler.held_until_submitted).
-        self.lock = threading.RLock()
-        # Set by the host-facing layer while a generation holds the slot (across its tokens, not only its calls).
-        self.busy = False
+        self.costs = costs
         self.slot = Slot(slot_id, backend.n_ctx)
         self.slot.namespace = settings.namespace
         self.last_restore_seconds = 0.0
-        self._full_capture: tuple[int, Checkpoint] | None = None
-        self.branch_point = 0
-        self._loaded_from_cache = -1
-        # Whether the memory holds positions past ``slot.n_tokens`` that no token id names (written from outside).
         self.opaque = False
-        # The engine's measured rates (one model in the engine's rules, switched on or off by the engine).
-        self.costs = rules.costs
-        self.plan_clock: PlanClock | None = None
-        self.fetch_seconds = 0.0
+        # (slot version, full state) of the latest full capture or load: saving an unchanged memory copies nothing.
+        self._full_capture: tuple[int, Checkpoint] | None = None
+        self._loaded_from_cache = -1
 
     @property
     def kind(self) -> MemoryKind:
@@ -93,7 +82,8 @@ class SlotMemory:
         self._drop_slot_state("cleared")
         self.store.ram.pin(self.slot, ())
 
-    def _capture(self, partial: bool) -> Checkpoint | None:
+    def capture(self, partial: bool) -> Checkpoint | None:
+        """A new checkpoint of the sequence as it is (``None`` if the capture failed); not kept by the slot."""
         started = time.perf_counter()
         captured = self.captures.capture(self.backend, self.slot, partial)
         if captured is not None:
@@ -101,20 +91,24 @@ class SlotMemory:
                                        captured.n_tokens)
         return captured
 
-    def _restore(self, checkpoint: Checkpoint) -> None:
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Load ``checkpoint`` into the sequence (the slot's record is the caller's to adjust).
+
+        :raises StateRestoreError: llama.cpp refused it; the slot was cleared.
+        """
         started = time.perf_counter()
         try:
             self.captures.restore(self.backend, checkpoint)
         except StateRestoreError:
             # llama.cpp leaves the sequence undefined after a failed load: start from an empty one.
-            self.clear_slot()
+            self.clear()
             raise
         self.costs.observe_transfer(RAM, checkpoint.target.nbytes, time.perf_counter() - started)
 
     def checkpoint(self) -> Checkpoint | None:
         """Take a partial checkpoint of the slot now and keep it (``None`` if the capture failed)."""
         slot = self.slot
-        checkpoint = self._capture(partial=True)
+        checkpoint = self.capture(partial=True)
         if checkpoint is None:
             return None
         slot.checkpoints.append(checkpoint)
@@ -129,7 +123,7 @@ class SlotMemory:
         self.hooks.call(self.hooks.hook.on_checkpoint_created, slot=slot, checkpoint=checkpoint)
         return checkpoint
 
-    def pin_slot(self) -> None:
+    def pin(self) -> None:
         """Count what the slot holds outside the cache (checkpoints, last full capture) against the budget."""
         buffers = [b for c in self.slot.checkpoints for b in c.buffers()]
         if self._full_capture is not None:
@@ -140,7 +134,7 @@ class SlotMemory:
         self.counters.add(checkpoints_erased=1)
         self.hooks.call(self.hooks.hook.on_checkpoint_erased, slot=self.slot, checkpoint=checkpoint, reason=reason)
 
-    def clear_slot(self) -> None:
+    def clear(self) -> None:
         """Empty the memory and the slot (tokens, checkpoints, the cached full capture)."""
         self.backend.clear()
         self.opaque = False
@@ -149,9 +143,9 @@ class SlotMemory:
     def _drop_slot_state(self, reason: str) -> None:
         slot = self.slot
         dropped, slot.checkpoints = slot.checkpoints, []
-        slot._set(slot.tokens[:0])
+        slot.set_lineage(slot.tokens[:0])
         self._full_capture = None
-        self.pin_slot()
+        self.pin()
         for checkpoint in dropped:
             self._erased(checkpoint, reason)
 
@@ -169,12 +163,12 @@ class SlotMemory:
         if self._full_capture is not None and self._full_capture[0] == slot.version:
             state = self._full_capture[1]
         else:
-            captured = self._capture(partial=False)
+            captured = self.capture(partial=False)
             if captured is None:
                 raise CaptureError("the slot's state could not be captured")
             state = captured
             self._full_capture = (slot.version, state)
-            self.pin_slot()
+            self.pin()
         tokens = slot.tokens.copy()
         tokens.flags.writeable = False
         checkpoints = tuple(c for c in slot.checkpoints if c.n_tokens <= slot.n_tokens)
@@ -184,20 +178,17 @@ class SlotMemory:
         """Restore a saved entry into the slot (the entry stays valid); return the tokens now in memory."""
         self.captures.check_fingerprint(entry.fingerprint)
         started = time.perf_counter()
-        self._restore(entry.state)
+        self.restore(entry.state)
         self.opaque = False
-        self._adopt(entry.tokens, entry.checkpoints, len(entry.tokens))
+        self.adopt(entry.tokens, entry.checkpoints, len(entry.tokens))
         self._full_capture = (self.slot.version, entry.state)
-        self.pin_slot()
+        self.pin()
         if self.store.contains(entry):
             # A host that consults its cache itself (``Llama.load_state(cache[key])``) hits through here.
             self.counters.add(cache_hits=1)
             self.store.touch(entry)
             self._loaded_from_cache = self.slot.version
-        self.last_restore_seconds = time.perf_counter() - started
-        self.counters.add(restore_seconds=self.last_restore_seconds)
-        self.hooks.call(self.hooks.hook.on_slot_restore, slot=self.slot, checkpoint=None, entry=entry,
-                        n_tokens=self.slot.n_tokens)
+        self.restored(time.perf_counter() - started, None, entry)
         return self.slot.n_tokens
 
     def save_to_cache(self) -> CacheEntry | None:
@@ -221,7 +212,7 @@ class SlotMemory:
         if take_outside_write is not None:
             known = min(known, take_outside_write())
         if known < slot.n_tokens:
-            slot._truncate(known)
+            slot.truncate(known)
             self._full_capture = None
         self.opaque = held > known
 
@@ -229,31 +220,32 @@ class SlotMemory:
         """Cut the memory back to the tokens the slot names (drop positions written from outside)."""
         if self.opaque:
             self.counters.add(outside_writes_dropped=1)
-            self._cut(self.slot.n_tokens)
+            self.cut(self.slot.n_tokens)
 
     def adopt_memory(self, tokens: np.ndarray) -> None:
         """The memory was loaded outside the manager and holds ``tokens``: forget the old lineage."""
         old = self.slot.checkpoints
         self.slot.checkpoints = []
-        self.slot._set(np.asarray(tokens, dtype=np.int32))
+        self.slot.set_lineage(np.asarray(tokens, dtype=np.int32))
         self.opaque = False
         self._full_capture = None
-        self.pin_slot()
+        self.pin()
         for checkpoint in old:
             self._erased(checkpoint, "invalidated")
 
-    def _adopt(self, lineage: np.ndarray, checkpoints: Sequence[Checkpoint], n_keep: int) -> None:
+    def adopt(self, lineage: np.ndarray, checkpoints: Sequence[Checkpoint], n_keep: int) -> None:
         """Make the slot hold ``lineage[:n_keep]`` with the lineage's checkpoints."""
         slot = self.slot
         old = slot.checkpoints
-        slot._set(lineage, n_keep)
+        slot.set_lineage(lineage, n_keep)
         slot.checkpoints = list(checkpoints)
         kept = {id(c) for c in slot.checkpoints}
         for checkpoint in old:
             if id(checkpoint) not in kept:
                 self._erased(checkpoint, "invalidated")
 
-    def _invalidate_after(self, position: int) -> None:
+    def invalidate_after(self, position: int) -> None:
+        """Erase the slot's checkpoints past ``position`` (its lineage changes there)."""
         slot = self.slot
         dropped = [c for c in slot.checkpoints if c.n_tokens > position]
         if dropped:
@@ -261,13 +253,36 @@ class SlotMemory:
             for checkpoint in dropped:
                 self._erased(checkpoint, "invalidated")
 
-    def _cut(self, n_keep: int) -> None:
+    def cut(self, n_keep: int) -> None:
         """Truncate the memory to ``n_keep`` tokens."""
         self._full_capture = None
         self.opaque = False
         if n_keep == 0:
             self.backend.clear()
         elif not self.backend.truncate(n_keep):
-            self.clear_slot()
+            self.clear()
             raise StateRestoreError(f"llama.cpp could not truncate the sequence to {n_keep} tokens; the slot was cleared")
-        self.slot._truncate(n_keep)
+        self.slot.truncate(n_keep)
+
+    def append(self, chunk: np.ndarray) -> None:
+        """``chunk`` was just evaluated after the slot's end: record it (checkpoints of a rewritten lineage go)."""
+        rewritten_from = self.slot.append(chunk)
+        if rewritten_from is not None:
+            self.invalidate_after(rewritten_from)
+        # The last full capture describes the old memory: do not keep its bytes alive for nothing.
+        self._full_capture = None
+
+    def drop_full_capture(self) -> None:
+        """Release the latest full capture kept for :meth:`save` (the next save captures the memory again)."""
+        self._full_capture = None
+
+    def just_loaded_from_cache(self) -> bool:
+        """Whether the memory is what a host's own cache lookup loaded (:meth:`load` of a stored entry)."""
+        return self._loaded_from_cache == self.slot.version
+
+    def restored(self, seconds: float, checkpoint: Checkpoint | None, entry: CacheEntry | None) -> None:
+        """A restore of ``entry`` and/or ``checkpoint`` took ``seconds``: time it, count it, tell the plugins."""
+        self.last_restore_seconds = seconds
+        self.counters.add(restore_seconds=seconds)
+        self.hooks.call(self.hooks.hook.on_slot_restore, slot=self.slot, checkpoint=checkpoint, entry=entry,
+                        n_tokens=self.slot.n_tokens)

@@ -1,6 +1,7 @@
-"""Hook-level testing kit: a pytest plugin with fixtures, a pure-Python fake backend and reference helpers.
+"""Hook-level testing kit: a pure-Python fake backend, a hook recorder and reference helpers.
 
-Registered as a ``pytest11`` entry point, so any project that installs ckpt_plugin gets the fixtures:
+ckpt_plugin's pytest plugin (the ``pytest11`` entry point ``ckpt_plugin_integrations.pytest_plugin``) serves them
+as fixtures to any project that installs ckpt_plugin:
 
 - ``tiny_model``: ``tiny_model("gemma3") -> Path`` builds (once per session) a tiny random-weight GGUF model of a
   kind (``llama``, ``gemma3`` with a 32-token window, ``mamba``, ``hybrid``);
@@ -16,10 +17,9 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
-import pytest
 
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.policy.plan import MemoryKind
@@ -193,13 +193,9 @@ def assert_same_answer(got: list[int], want: list[int], gaps: list[float], what:
     assert len(got) == len(want), f"{what}: {len(got)} tokens, a fresh context gives {len(want)}"
 
 
-# -------------------------------------------------------------------------------------------------------------------
-# pytest fixtures
-
-
 def tiny_models_in(root: pathlib.Path) -> Callable[[str], pathlib.Path]:
-    """``get(kind) -> Path``: a tiny GGUF model of ``kind`` in ``root``, built on first use (the ``tiny_model``
-    fixture's, here and in the pytest plugin)."""
+    """``get(kind) -> Path``: a tiny GGUF model of ``kind`` in ``root``, built on first use (what the pytest
+    plugin's ``tiny_model`` fixture returns)."""
     from ckpt_plugin.testing.tiny_models import build_tiny_model
 
     built: dict[str, pathlib.Path] = {}
@@ -211,20 +207,3 @@ def tiny_models_in(root: pathlib.Path) -> Callable[[str], pathlib.Path]:
 
     return get
 
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], pathlib.Path]:
-    """``tiny_model(kind) -> Path``: a tiny GGUF model of ``kind``, built once per session."""
-    return tiny_models_in(tmp_path_factory.mktemp("tiny-models"))
-
-
-@pytest.fixture(name="fake_manager")
-def fake_manager_fixture() -> Callable[..., CheckpointManager]:
-    """``fake_manager(kind="swa", **settings)``: a manager over a simulated context."""
-    return fake_manager
-
-
-@pytest.fixture
-def hook_recorder() -> Iterator[HookRecorder]:
-    """A fresh :class:`HookRecorder` (``hook_recorder.watch(manager)`` starts it)."""
-    yield HookRecorder()

@@ -91,7 +91,7 @@ def test_save_restore_share_copy_no_state_bytes(make_llama: Any, kind: str) -> N
     again = llama.save_state()  # nothing changed: the same capture is shared, not taken again
     assert manager.admit(again.entry)
     other = ckpt_plugin.CheckpointManager(manager.backend, cache=manager.cache, load_entrypoints=False)
-    other.slots[0]._adopt(again.entry.tokens, again.entry.checkpoints, again.entry.n_tokens)
+    other.slots[0].memory.adopt(again.entry.tokens, again.entry.checkpoints, again.entry.n_tokens)
     _, peak_share = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert manager.counters.bytes_captured == captured

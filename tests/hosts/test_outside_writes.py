@@ -190,7 +190,7 @@ def test_a_memory_with_unknown_positions_is_never_saved_cached_or_published(make
     image_request(llama, 7, seen=False)
     controller = manager.slots[0]
     controller.reconcile()
-    assert controller.opaque
+    assert controller.memory.opaque
     with pytest.raises(OpaqueMemoryError):
         manager.save_slot(tmp_path / "slot.bin")
     state = llama.save_state()
@@ -201,4 +201,4 @@ def test_a_memory_with_unknown_positions_is_never_saved_cached_or_published(make
     # The host's own state round-trips as the host's.
     llama.load_state(state)
     controller.reconcile()
-    assert controller.opaque and controller.slot.n_tokens == len(TEXT0)
+    assert controller.memory.opaque and controller.slot.n_tokens == len(TEXT0)

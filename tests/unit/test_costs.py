@@ -31,9 +31,8 @@ from ckpt_plugin.testing import fake_manager, run_prompt
 from ckpt_plugin.tiers.protocol import Query
 
 from support.factories import Stored, window_checkpoint
+from support.strategies import KINDS, stored, tokens
 
-KINDS = [MemoryKind(), MemoryKind(n_swa=4), MemoryKind(recurrent=True, attention=False),
-         MemoryKind(n_swa=4, recurrent=True)]
 CPU_LIKE = Rates.flat(1e-3, latency=1e-6, bandwidth=1e12, full_bytes_per_token=4)
 """Evaluating a token costs a millisecond, copying any state here a microsecond."""
 RECOMPUTE_CHEAP = Rates.flat(1e-6, latency=0.05, bandwidth=1e6, full_bytes_per_token=4)
@@ -42,18 +41,6 @@ RECOMPUTE_CHEAP = Rates.flat(1e-6, latency=0.05, bandwidth=1e6, full_bytes_per_t
 
 def partial(kind: MemoryKind, n_tokens: int, n_bytes: int = 8) -> Checkpoint:
     return window_checkpoint(kind, n_tokens, n_bytes=max(n_bytes, 1))
-
-
-tokens = st.lists(st.integers(0, 2), min_size=0, max_size=14)
-
-
-@st.composite
-def stored(draw: st.DrawFn, kind: MemoryKind) -> Stored:
-    toks = np.asarray(draw(tokens), dtype=np.int32)
-    positions = sorted(set(draw(st.lists(st.integers(1, max(1, len(toks))), max_size=3)))) if len(toks) else []
-    pos_min = draw(st.integers(0, max(0, len(toks) - 1))) if kind.swa else 0
-    sizes = draw(st.lists(st.integers(1, 64), min_size=len(positions), max_size=len(positions)))
-    return Stored(toks, pos_min, tuple(partial(kind, n, size) for n, size in zip(positions, sizes) if n <= len(toks)))
 
 
 @dataclass

@@ -20,6 +20,7 @@ from ckpt_plugin.policy.plan import (
 from ckpt_plugin.policy.schedule import CheckpointRules, branch_point, pause_points, prompt_end_checkpoint, want_checkpoint
 
 from support.factories import Stored, checkpoint, window_checkpoint
+from support.strategies import KINDS, stored, tokens
 
 
 @given(st.integers(0, 64), st.integers(0, 1 << 30), st.integers(0, 1 << 26))
@@ -45,21 +46,6 @@ def test_erasing_keeps_the_newest_and_at_most_limit(positions: list[int], limit:
 
 
 # --- the planner -----------------------------------------------------------------------------------------------------
-
-KINDS = [MemoryKind(), MemoryKind(n_swa=4), MemoryKind(recurrent=True, attention=False),
-         MemoryKind(n_swa=4, recurrent=True)]
-
-
-tokens = st.lists(st.integers(0, 2), min_size=0, max_size=14)
-
-
-@st.composite
-def stored(draw: st.DrawFn, kind: MemoryKind) -> Stored:
-    toks = np.asarray(draw(tokens), dtype=np.int32)
-    positions = sorted(set(draw(st.lists(st.integers(1, max(1, len(toks))), max_size=3)))) if len(toks) else []
-    pos_min = draw(st.integers(0, max(0, len(toks) - 1))) if kind.swa else 0
-    return Stored(toks, pos_min, tuple(window_checkpoint(kind, n) for n in positions if n <= len(toks)))
-
 
 @given(st.data())
 def test_plan_is_the_best_of_live_memory_and_candidates_and_fetches_only_what_can_win(data: st.DataObject) -> None:

@@ -16,8 +16,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -166,7 +167,7 @@ class Attachment:
         """The controller's reconcile, noting when the memory started holding positions written from outside."""
         controller = self.controller
         controller.reconcile()
-        if not controller.opaque:
+        if not controller.memory.opaque:
             self.opaque_since = None
         elif self.opaque_since is None:
             self.opaque_since = self.generations
@@ -175,11 +176,11 @@ class Attachment:
         """Whether the generation starting now is served as the host alone would: the memory holds positions
         written from outside since the last generation, by this tenant (see ``opaque_since``)."""
         controller = self.controller
-        if not controller.opaque:
+        if not controller.memory.opaque:
             return False
         if self.opaque_since == self.generations and controller.slot.namespace == controller.current_namespace():
             return True
-        controller.discard_opaque()
+        controller.memory.discard_opaque()
         self.opaque_since = None
         return False
 
@@ -200,13 +201,13 @@ class Attachment:
             return
         n_host = llama.n_tokens
         slot = controller.slot
-        if controller.opaque:
+        if controller.memory.opaque:
             if n_host > slot.n_tokens:
                 # Host code evaluates after positions it wrote itself: as the host alone, nothing recorded.
                 self.backend.decode(new)
                 controller.counters.add(tokens_evaluated=len(new))
                 return
-            controller.discard_opaque()
+            controller.memory.discard_opaque()
         if n_host != slot.n_tokens or (len(new) > 1 and not np.array_equal(llama.input_ids[:n_host], slot.tokens)):
             wanted = np.concatenate((llama.input_ids[:n_host].astype(np.int32), new))
             n_keep = controller.prepare(wanted)
@@ -255,7 +256,18 @@ class Attachment:
         stopping = bound.arguments.get("stopping_criteria") is not None
         return self._generate_with_prepare(list(tokens), reset, stopping, args, kwargs)
 
+    def generation_slot(self, tokens: list[int]) -> ContextManager[None]:
+        """The slot a generation of ``tokens`` runs on, held while it runs (:attr:`controller` and :attr:`backend`
+        name it): this attachment's one slot. An attachment of a view of parallel slots leases one here."""
+        return contextlib.nullcontext()
+
     def _generate_with_prepare(
+        self, tokens: list[int], reset: bool, stopping: bool, args: tuple, kwargs: dict
+    ) -> Iterator[int]:
+        with self.generation_slot(tokens):
+            yield from self._generate_on_slot(tokens, reset, stopping, args, kwargs)
+
+    def _generate_on_slot(
         self, tokens: list[int], reset: bool, stopping: bool, args: tuple, kwargs: dict
     ) -> Iterator[int]:
         generation = _Generation()
@@ -311,7 +323,7 @@ class Attachment:
     def save_state(self) -> LlamaState:
         with self.controller.lock:
             self._reconcile()
-            if self.controller.opaque:
+            if self.controller.memory.opaque:
                 # Positions no token id names: the host's own copy of the whole state, kept out of every store.
                 state = type(self.llama).save_state(self.llama)
                 return mark_host_only(state, self.controller.slot.n_tokens)
@@ -327,7 +339,7 @@ class Attachment:
             self.backend.load_host_state(self._load_state, state)
             tokens = np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32)
             known = host_only_known(state)
-            self.controller.adopt_memory(tokens if known is None else tokens[:known])
+            self.controller.memory.adopt_memory(tokens if known is None else tokens[:known])
             self._reconcile()
 
     def set_cache(self, cache: BaseLlamaCache | None) -> None:

@@ -119,9 +119,9 @@ class SlotAttachment(Attachment):
             except ValueError:
                 pass  # running in another thread: it ends, and frees its slot, when its step returns
 
-    def _generate_with_prepare(
-        self, tokens: list[int], reset: bool, stopping: bool, args: tuple, kwargs: dict
-    ) -> Iterator[int]:
+    @contextlib.contextmanager
+    def generation_slot(self, tokens: list[int]) -> Iterator[None]:
+        """Lease a slot for the generation (queued first come, first served) and bind this view to it."""
         parallel = self.parallel
         slot_id = parallel.leases.lease(np.asarray(tokens, dtype=np.int32), self.controller.current_namespace())
         try:
@@ -133,7 +133,7 @@ class SlotAttachment(Attachment):
             held = parallel.scheduler.held_until_submitted(self.controller.lock) if parallel.manager.store.in_memory \
                 else contextlib.nullcontext()
             with parallel.scheduler.generating(slot_id), held:
-                yield from super()._generate_with_prepare(tokens, reset, stopping, args, kwargs)
+                yield
         finally:
             parallel.leases.release(slot_id)
 
