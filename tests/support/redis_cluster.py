@@ -86,6 +86,13 @@ class RedisCluster:
                         return next(n for n in self.nodes if n.port == int(primary[1]))
         raise LookupError(f"no node serves slot {slot}")
 
+    def slots_of(self, node: RedisServer) -> int:
+        """How many slots ``node`` serves."""
+        info = node.client().execute_command("CLUSTER", "NODES").decode()
+        mine = next(line for line in info.splitlines() if "myself" in line).split()[8:]
+        return sum(int(r.split("-")[1]) - int(r.split("-")[0]) + 1 if "-" in r else 1
+                   for r in mine if not r.startswith("["))
+
     def keys(self, pattern: str = "*") -> dict[int, list[bytes]]:
         """Keys matching ``pattern`` on each running node, by port."""
         return {node.port: node.keys(pattern) for node in self.nodes if node.running}

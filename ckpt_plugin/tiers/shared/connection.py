@@ -61,7 +61,8 @@ class SharedServer:
             redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.ClusterDownError,
             redis.exceptions.SlotNotCoveredError, redis.exceptions.RedisClusterUnreachableError)
         self._lock = threading.Lock()
-        self._down: dict[str, float] = {SERVER: time.monotonic()}  # nothing is known to answer before connect()
+        # Failed nodes (SERVER: the server, or the URL's node before the first connection) -> since when.
+        self._down: dict[str, float] = {}
         self._partitions: dict[tuple[str, str, str, bool], Partition] = {}
 
     # -------------------------------------------------------------------------------------------------------------
@@ -71,6 +72,10 @@ class SharedServer:
         """Ask whether the URL names a cluster node and make the clients (one round trip, one more for a cluster's
         slot map); raises what redis-py raises."""
         redis = self._redis
+        from redis.backoff import NoBackoff
+        from redis.connection import Encoder, PythonRespSerializer
+        from redis.retry import Retry
+
         options: dict[str, Any] = dict(socket_connect_timeout=self.timeout, client_name="ckpt_plugin")
         probe = redis.Redis.from_url(self._url, socket_timeout=self.timeout, retry=self._retry, **options)
         try:
@@ -80,8 +85,6 @@ class SharedServer:
             cluster = False
         finally:
             probe.close()
-        from redis.connection import Encoder, PythonRespSerializer
-
         # States are tens of MB: read them in 1 MiB gulps rather than redis-py's 64 KiB (20% faster here).
         reads: dict[str, Any] = dict(socket_timeout=self.timeout, socket_read_size=1 << 20, **options)
         # hiredis packs a command into one new buffer (two copies of every state); this packer sends them as they are.
@@ -89,8 +92,12 @@ class SharedServer:
                                       command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode))
         if cluster:
             # A node down leaves its slots unserved; the client still serves the others' (require_full_coverage).
-            made = [redis.RedisCluster.from_url(self._url, retry=self._retry, require_full_coverage=False, **kwargs)
-                    for kwargs in (reads, writes)]
+            # Building the client reads COMMAND from one node, which may be the one that is down: a few tries, each
+            # on another node, then none (set_retry), as for the single server.
+            made = [redis.RedisCluster.from_url(self._url, retry=Retry(NoBackoff(), 3), require_full_coverage=False,
+                                                **kwargs) for kwargs in (reads, writes)]
+            for client in made:
+                client.set_retry(self._retry)
         else:
             made = [redis.Redis.from_url(self._url, retry=self._retry, **kwargs) for kwargs in (reads, writes)]
         old = (self.reader, self.writer)
@@ -128,7 +135,7 @@ class SharedServer:
     def up(self) -> bool:
         """Whether every node answers (``False`` from a node's failure until a probe answers)."""
         with self._lock:
-            return not self._down
+            return not self._down and self.reader is not None
 
     def nodes_of(self, keys: Iterable[str]) -> set[str]:
         """The nodes serving ``keys`` (as far as the client knows)."""
@@ -174,7 +181,7 @@ class SharedServer:
         again; a node that answers is used again, with fresh connections."""
         with self._lock:
             down = list(self._down)
-        if not down:
+        if not down and self.reader is not None:
             return
         if SERVER in down or self.reader is None:
             try:

@@ -109,9 +109,9 @@ class SharedTier:
 
     @property
     def available(self) -> bool:
-        """Whether requests use the server (``False`` from a failure until a probe answers; in a cluster, from a
-        node's failure, while requests whose keys are on the other nodes go on)."""
-        return self.server.up
+        """Whether requests use the server (``False`` from a failure until a probe answers). A cluster is available
+        while some of its nodes are: requests whose keys are on a failed node are misses, the others go on."""
+        return self.server.usable(())
 
     def _count(self, **amounts: int) -> None:
         self._tally.add(**amounts)
@@ -288,7 +288,7 @@ class SharedTier:
         """Counters, gauges and latency histograms (read-only snapshot)."""
         out: dict[str, Any] = self._tally.snapshot()
         out["write_drops"] += self._queue.drops  # dropped from a full queue, besides those refused while down
-        out.update(available=int(self.server.up), queue_depth=self.queue_depth, url=self.url,
+        out.update(available=int(self.available), queue_depth=self.queue_depth, url=self.url,
                    lookup_seconds=histogram_snapshot(self.lookup_histogram),
                    fetch_seconds=histogram_snapshot(self.fetch_histogram))
         return out
