@@ -5,7 +5,7 @@ Quick start::
     from llama_cpp import Llama
     import ckpt_plugin
 
-    llama = Llama("model.gguf", n_ctx=4096)
+    llama = Llama(str(ckpt_plugin.default_model_path()), n_ctx=4096)   # the built-in model, or any GGUF path
     manager = ckpt_plugin.attach(llama)      # the host's own calls now reuse prefixes through checkpoints
     llama.create_completion("...", max_tokens=32)
     print(manager.stats())
@@ -58,6 +58,9 @@ _LAZY = {
     "NgramStatePlugin": "speculative",
     "enable_speculative": "speculative",
     "CheckpointMiddleware": "middleware",
+    "default_model_path": "hosts.llama_cpp.default_model",
+    "DEFAULT_CHAT_FORMAT": "hosts.llama_cpp.chat_formats",
+    "register_chat_formats": "hosts.llama_cpp.chat_formats",
 }
 
 
@@ -85,7 +88,9 @@ __all__ = [
     "CheckpointSettings",
     "ConfigError",
     "CorruptFileError",
+    "DEFAULT_CHAT_FORMAT",
     "DEFAULT_MAX_BYTES",
+    "default_model_path",
     "detach",
     "DiskTier",
     "DraftModel",
@@ -109,6 +114,7 @@ __all__ = [
     "PromptCache",
     "publish",
     "read_entry",
+    "register_chat_formats",
     "SequenceContext",
     "ServeSettings",
     "SharedLlamaState",

@@ -18,8 +18,14 @@ class Counters:
     """
 
     prompts: int = 0
+    prompt_tokens: int = 0
     tokens_evaluated: int = 0
     tokens_reused: int = 0
+    # tokens_reused by where they came from (REUSE_SOURCES): they add up to it.
+    tokens_reused_from_slot: int = 0
+    tokens_reused_from_cache: int = 0
+    tokens_reused_from_disk: int = 0
+    tokens_reused_from_shared: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
     cache_saves: int = 0
@@ -40,6 +46,12 @@ class Counters:
     corrupt_slot_files: int = 0
     stood_aside: int = 0
     outside_writes_dropped: int = 0
+    # Prefixes a slot took over from another live sequence's cells (llama_memory_seq_cp in a unified KV cache), and
+    # their tokens: cells held once for both (tokens_reused counts them too, from the source "slot").
+    kv_shares: int = 0
+    tokens_shared: int = 0
+    # Generations that waited for another slot to evaluate the new prefix they share, instead of evaluating it too.
+    prefix_waits: int = 0
 
     def __post_init__(self) -> None:
         # An attribute, not a field: fields(), asdict() and == see only the counts.
@@ -59,6 +71,15 @@ class Counters:
         """Every counter, read at one instant (no :meth:`add` half-way)."""
         with self._lock:
             return {counter.name: getattr(self, counter.name) for counter in fields(self)}
+
+
+REUSE_SOURCES = ("slot", "cache", "disk", "shared")
+"""Where reused prompt tokens come from: the slot's own memory and checkpoints, the RAM prompt cache (entries of
+conversations that left the slot, the host's own cache included), the disk tier and the shared tier; each has a
+``tokens_reused_from_<source>`` counter."""
+
+TIER_SOURCES = {"ram": "cache", "disk": "disk", "shared": "shared"}
+"""The reuse source of an entry by the tier a plan found it in."""
 
 
 ENTRY_TIERS = ("ram", "disk", "shared")

@@ -29,8 +29,9 @@ from ckpt_plugin.policy.costs import PlanClock
 from ckpt_plugin.core.errors import StateRestoreError
 from ckpt_plugin.policy.plan import LiveMemory, MemoryKind, Plan, keep_limit, plan_prompt, swa_threshold
 from ckpt_plugin.policy.schedule import CheckpointRules, branch_point, pause_points
+from ckpt_plugin.core.counters import TIER_SOURCES
 from ckpt_plugin.core.request import RequestInterrupted, current_request
-from ckpt_plugin.engine.slot_memory import SlotMemory
+from ckpt_plugin.engine.slot_memory import CellSource, SlotMemory
 from ckpt_plugin.tiers.protocol import Tier
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ class SlotController:
     :ivar busy: Set by the host-facing layer while a generation holds the slot (across its tokens, not only its calls).
     :ivar branch_point: Where the prompt last prepared leaves the longest prefix it shares with a stored state, when
         a restore could not serve all of it: a checkpoint is taken there (``schedule.branch_point``; 0: none).
+    :ivar peers: Set by a host whose sequences share one KV cache: the other live sequences of a namespace whose
+        cells this slot may take over (:class:`~ckpt_plugin.engine.slot_memory.CellSource`); ``None``: none.
     """
 
     def __init__(self, *, slot_id: int, backend: Backend, settings: CheckpointSettings, rules: CheckpointRules,
@@ -82,6 +85,7 @@ class SlotController:
         self.branch_point = 0
         self.plan_clock: PlanClock | None = None
         self.fetch_seconds = 0.0
+        self.peers: Callable[[str], Sequence[CellSource]] | None = None
 
     # What plugins and hosts read and call on a slot (SlotView): the memory's, under the slot's name.
     @property
@@ -155,8 +159,9 @@ class SlotController:
         rates = self.costs.active_rates()
         probe = CostProbe(self.costs, rates, len(prompt), lambda: live_keep(self.kind, live, prompt, max_keep))
         hits = self.store.lookup(slot.namespace, self.fingerprint, prompt, self.kind, max_keep, probe)
+        peers = self.peers(slot.namespace) if self.peers is not None else ()
         plan = plan_prompt(self.kind, prompt, live, hits, self.settings.cache_min_discard,
-                           self.settings.cache_min_tokens, max_keep, rates)
+                           self.settings.cache_min_tokens, max_keep, rates, peers)
         self.fetch_seconds = probe.fetch_seconds
         return plan
 
@@ -177,7 +182,9 @@ class SlotController:
         plan, entry, n_keep = self._restore_for(plan, window, prompt, max_keep)
         self._count_outcome(plan, entry, n_keep, prompt, just_loaded)
         self._time_plan(plan, prompt, n_keep, started)
-        self._record_reuse(prompt, n_keep)
+        # A slot the host itself just loaded from its cache counts as a cache hit, as slot_memory counts it.
+        source = TIER_SOURCES[str(plan.tier)] if entry is not None and plan.tier else "cache" if just_loaded else "slot"
+        self._record_reuse(prompt, n_keep, source)
         return n_keep
 
     def _take_for(self, prompt: np.ndarray) -> bool:
@@ -215,7 +222,8 @@ class SlotController:
             )
             log.info("re-processing %d tokens the memory shared with the prompt: %s", live.n_common - kept, reason)
             self.hooks.call(self.hooks.hook.on_full_reprocess, slot=self.slot, n_common=live.n_common, reason=reason)
-        if entry is None and live.n_keep < keep_limit(len(prompt)) and not just_loaded and not plan.by_cost:
+        if entry is None and live.n_keep < keep_limit(len(prompt)) and not just_loaded and not plan.by_cost \
+                and plan.share is None:
             self.counters.add(cache_misses=1)
 
     def _time_plan(self, plan: Plan[CacheEntry], prompt: np.ndarray, n_keep: int, started: float) -> None:
@@ -226,9 +234,10 @@ class SlotController:
                                         fetches_skipped=plan.fetches_skipped,
                                         seconds=self.fetch_seconds + time.perf_counter() - started)
 
-    def _record_reuse(self, prompt: np.ndarray, n_keep: int) -> None:
-        """Count the tokens reused, pin what the slot now holds, and tell the request."""
-        self.counters.add(tokens_reused=n_keep)
+    def _record_reuse(self, prompt: np.ndarray, n_keep: int, source: str) -> None:
+        """Count the prompt's tokens and those reused (in all and from ``source``, one of
+        :data:`~ckpt_plugin.core.counters.REUSE_SOURCES`), pin what the slot now holds, and tell the request."""
+        self.counters.add(prompt_tokens=len(prompt), tokens_reused=n_keep, **{f"tokens_reused_from_{source}": n_keep})
         self.memory.pin()
         scope = current_request.get()
         if scope is not None:
@@ -290,6 +299,9 @@ class SlotController:
         if not plan.needs_restore:
             if n_keep < slot.n_tokens:
                 memory.cut(n_keep)
+            return
+        if plan.share is not None:
+            memory.share(plan.share, n_keep)
             return
         started = time.perf_counter()
         if entry is not None:

@@ -11,16 +11,29 @@ from typing import Any, Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from ckpt_plugin.core.counters import REUSE_SOURCES
 from ckpt_plugin.plugins.hookspecs import hookimpl
 from ckpt_plugin.engine.manager import CheckpointManager
 
+ModelStats = Callable[[], Mapping[str, Mapping[str, Any]]]
+"""Returns ``stats()`` by model name: the live managers', and those a server keeps for models it has unloaded."""
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+REUSE_HELP = ("Prompt tokens served without evaluation, by where they came from: slot (the slot's own memory and "
+              "checkpoints, the usual case of a next turn), cache (the RAM prompt cache: conversations that had left "
+              "the slot), disk (the disk tier), shared (the shared tier)")
+"""HELP of ``ckpt_prompt_tokens_reused_total``, the headline counter (label ``source``, :data:`REUSE_SOURCES`)."""
+
 COUNTERS = {
+    "prompt_tokens": "Prompt tokens the model was asked to serve (reused plus evaluated)",
+    "prompts": "Prompts served",
     "tokens_evaluated": "Prompt and generated tokens evaluated by the model",
-    "tokens_reused": "Prompt tokens served from memory, a checkpoint or the cache",
-    "cache_hits": "Prompts served from a prompt-cache entry",
-    "cache_misses": "Prompts the live memory could not fully serve and the cache did not help",
+    "tokens_reused": "Prompt tokens served without evaluation, from any source (the sum of "
+                     "ckpt_prompt_tokens_reused_total over its sources)",
+    "cache_hits": "Prompts served from a prompt-cache entry: a conversation that had left the slot (a next turn "
+                  "served by the slot itself is no cache hit: ckpt_prompt_tokens_reused_total{source=\"slot\"})",
+    "cache_misses": "Prompts that neither the slot nor any cache tier could serve beyond a few tokens",
     "cache_saves": "Entries put into the prompt cache",
     "cache_evictions": "Entries evicted for the budget",
     "checkpoints_created": "Checkpoints taken",
@@ -59,25 +72,45 @@ GAUGES = {
     "resident_bytes": "Bytes of unique state buffers held by slots and the cache",
     "referenced_bytes": "Bytes the same references would hold as copies",
     "state_bytes": "State bytes the budget covers: entries, slot checkpoints and recycled buffers",
-    "state_budget_bytes": "The state byte budget (--checkpoint-budget)",
+    "state_budget_bytes": "The state byte budget (--cache-max-bytes)",
     "pool_free_bytes": "Bytes of freed state buffers kept mapped for the next capture",
     "cache_entries": "Prompt-cache entries",
     "cache_tokens": "Tokens held by prompt-cache entries",
-    "slot_checkpoints": "Checkpoints held by the slot",
     "disk_entries": "Entries in the disk tier",
     "disk_bytes": "Bytes of the disk tier's files",
 }
 
 
-class ManagerCollector:
-    """Collects the stats of the managers ``managers()`` returns, labelled by model."""
+def live_stats(managers: Callable[[], Mapping[str, CheckpointManager]]) -> ModelStats:
+    """``stats()`` of the managers ``managers()`` returns, by model."""
+    return lambda: {model: manager.stats() for model, manager in dict(managers()).items()}
 
-    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
-        self._managers = managers
+
+class ManagerCollector:
+    """Collects the stats of the managers ``managers()`` returns, labelled by model.
+
+    :param managers: Returns the managers by model (read for their ``stats()`` unless ``stats`` is given).
+    :param stats: Returns the stats by model directly (a server that keeps the counters of unloaded models).
+    """
+
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]],
+                 stats: ModelStats | None = None) -> None:
+        self._stats = stats or live_stats(managers)
 
     def collect(self) -> Iterator[Metric]:
-        managers = dict(self._managers())
-        stats = {model: manager.stats() for model, manager in managers.items()}
+        stats = dict(self._stats())
+        reused = CounterMetricFamily("ckpt_prompt_tokens_reused", REUSE_HELP, labels=["model", "source"])
+        for model, values in stats.items():
+            for source in REUSE_SOURCES:
+                reused.add_metric([model, source], float(values[f"tokens_reused_from_{source}"]))
+        yield reused
+        plugins = GaugeMetricFamily("ckpt_plugin_loaded", "1 for each plugin registered with the model's manager "
+                                    "(entry points of the 'ckpt_plugin' group, manager.plugins.register)",
+                                    labels=["model", "plugin"])
+        for model, values in stats.items():
+            for plugin in values.get("plugins", ()):
+                plugins.add_metric([model, plugin], 1.0)
+        yield plugins
         for name, doc in COUNTERS.items():
             family = CounterMetricFamily(f"ckpt_{name}", doc, labels=["model"])
             for model, values in stats.items():
@@ -221,11 +254,13 @@ class Metrics:
     """A registry for the managers of one server.
 
     :param managers: Returns the current managers by model name.
+    :param stats: Returns the stats by model (:class:`ManagerCollector`); by default the current managers'.
     """
 
-    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]]) -> None:
+    def __init__(self, managers: Callable[[], Mapping[str, CheckpointManager]],
+                 stats: ModelStats | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(ManagerCollector(managers))
+        self.registry.register(ManagerCollector(managers, stats))
         self.registry.register(SharedTierCollector(managers))
         self.registry.register(CostCollector(managers))
         self.registry.register(SlotCollector(managers))

@@ -44,7 +44,7 @@ from ckpt_plugin.http.admission_queue import AdmissionQueue, ServerBusy
 from ckpt_plugin.http.body_limit import BodyLimitMiddleware, BodyTooLarge, ClientDisconnect, error_response, read_body
 from ckpt_plugin.core.config import ServeSettings
 from ckpt_plugin.http.generation import Generation, replay_body
-from ckpt_plugin.http.metrics import Metrics
+from ckpt_plugin.http.metrics import Metrics, ModelStats, live_stats
 from ckpt_plugin.core.request import RequestScope, current_request
 from ckpt_plugin.http.request_checks import RequestRejected, check_content_type, parse_json_object
 from ckpt_plugin.http.route_guard import RouteGuard, default_guards, validation_message
@@ -69,6 +69,9 @@ class CheckpointMiddleware:
         :func:`~ckpt_plugin.http.route_guard.default_guards`.
     :param admission: With parallel slots, the queue generations wait in for a slot (503 past it); ``None`` when
         the host serves one request at a time itself.
+    :param model_stats: Returns ``stats()`` by model for ``/metrics`` and ``/checkpoints/stats``; by default the
+        live managers'. A server that unloads models passes one that keeps listing them (ckpt-serve: their counters
+        carry on across model switches).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class CheckpointMiddleware:
         api_key: str | None = None,
         guards: Mapping[str, RouteGuard] | None = None,
         admission: AdmissionQueue | None = None,
+        model_stats: ModelStats | None = None,
     ) -> None:
         self.app = app
         self.admission = admission
@@ -87,8 +91,9 @@ class CheckpointMiddleware:
         self.managers: Callable[[], Managers] = managers if callable(managers) else (lambda: managers)
         self.api_key = api_key
         self.tenants = Tenants(self.settings, api_key)
-        self.metrics = Metrics(self.managers)
-        self.routes = CheckpointRoutes(self.managers, self.settings, self.tenants, self.metrics)
+        self.model_stats: ModelStats = model_stats or live_stats(self.managers)
+        self.metrics = Metrics(self.managers, self.model_stats)
+        self.routes = CheckpointRoutes(self.managers, self.settings, self.tenants, self.metrics, self.model_stats)
         self._limited = BodyLimitMiddleware(self._dispatch, self.settings.max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

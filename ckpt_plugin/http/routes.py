@@ -47,7 +47,7 @@ from ckpt_plugin.core.errors import (
     UnsafePathError,
 )
 from ckpt_plugin.engine.manager import CheckpointManager
-from ckpt_plugin.http.metrics import CONTENT_TYPE, Metrics
+from ckpt_plugin.http.metrics import CONTENT_TYPE, Metrics, ModelStats, live_stats
 from ckpt_plugin.persist import safe_path
 from ckpt_plugin.http.request_checks import RequestRejected, check_content_type
 from ckpt_plugin.core.counters import Cleared
@@ -121,12 +121,15 @@ class CheckpointRoutes:
     :param settings: What is enabled.
     :param tenants: Derives the caller of a request.
     :param metrics: The Prometheus registry of these managers.
+    :param model_stats: Returns the stats by model for ``/checkpoints/stats`` (by default the live managers').
     """
 
     def __init__(
-        self, managers: Callable[[], Managers], settings: ServeSettings, tenants: Tenants, metrics: Metrics
+        self, managers: Callable[[], Managers], settings: ServeSettings, tenants: Tenants, metrics: Metrics,
+        model_stats: ModelStats | None = None,
     ) -> None:
         self.managers = managers
+        self.model_stats = model_stats or live_stats(managers)
         self.settings = settings
         self.tenants = tenants
         self.metrics = metrics
@@ -175,7 +178,8 @@ class CheckpointRoutes:
 
         async def guarded(request: Request) -> Response:
             if admin and not self.settings.admin:
-                return error_response(404, "not_found", "checkpoint admin routes are disabled (checkpoints.admin)")
+                return error_response(404, "not_found", "checkpoint admin routes are disabled: start the server with "
+                                      "--admin true (checkpoints.admin in the config file, CKPT_ADMIN=true)")
             if slots and self.settings.slot_save_path is None:
                 return error_response(404, "not_found", "slot files are disabled (--slot-save-path)")
             caller = self.tenants.caller(Headers(scope=request.scope))
@@ -222,8 +226,7 @@ class CheckpointRoutes:
     async def stats(self, request: Request, caller: Caller) -> Response:
         if caller.namespace is not None and not caller.operator:
             return error_response(403, "forbidden", "stats cover every tenant: they need the operator key (admin_key)")
-        managers = self.managers()
-        views = await run_in_threadpool(lambda: {name: m.stats() for name, m in managers.items()})
+        views = await run_in_threadpool(lambda: dict(self.model_stats()))
         return JSONResponse({"models": views})
 
     async def prometheus(self, request: Request, caller: Caller) -> Response:

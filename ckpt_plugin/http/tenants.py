@@ -68,11 +68,25 @@ class Tenants:
         mode = self.settings.namespaces
         if mode == "off":
             return None, False
-        if mode == "api_key":
-            value, prefix = given or "", "key"
-        else:
-            value, prefix = headers.get(self.settings.namespace_header or "", ""), "hdr"
-        if not value:
-            return f"{prefix}:{ANONYMOUS}", True
-        # A digest: the raw credential never sits in the cache's keys, logs, files or the admin view.
-        return f"{prefix}:{hashlib.sha256(value.encode()).hexdigest()[:16]}", False
+        value = given if mode == "api_key" else headers.get(self.settings.namespace_header or "", "")
+        return namespace_for(mode, value), not value
+
+
+NAMESPACE_PREFIXES = {"api_key": "key", "header": "hdr"}
+"""The prefix of a namespace by the ``namespaces`` mode that derived it."""
+
+
+def namespace_for(mode: str, value: str | None) -> str:
+    """The namespace a server with ``namespaces=mode`` derives from a bearer token (``"api_key"``) or a header value
+    (``"header"``): the prefix (``key:``, ``hdr:``) and the first 16 hex digits of the value's SHA-256 digest, or
+    ``anonymous`` for no value.
+
+    :raises ValueError: ``mode`` is not ``"api_key"`` or ``"header"`` (``"off"`` derives no namespace).
+    """
+    prefix = NAMESPACE_PREFIXES.get(mode)
+    if prefix is None:
+        raise ValueError(f"namespaces={mode!r} derives no namespace; use 'api_key' or 'header'")
+    if not value:
+        return f"{prefix}:{ANONYMOUS}"
+    # A digest: the raw credential never sits in the cache's keys, logs, files or the admin view.
+    return f"{prefix}:{hashlib.sha256(value.encode()).hexdigest()[:16]}"

@@ -25,6 +25,8 @@ def manager_stats(manager: EngineView) -> dict[str, Any]:
     several managers shows its count under each, as it does ``disk_entries``.
     ``costs`` holds the measured rates (seconds per evaluated token by batch size, each tier's fixed cost and
     bandwidth) and the plans' estimated and actual times (:meth:`ckpt_plugin.policy.costs.CostModel.snapshot`).
+    ``plugins`` names the plugins registered (:func:`plugin_names`). docs/server.md, "Stats fields", describes every
+    field.
     """
     cache = manager.cache
     slots = [controller.slot for controller in manager.slots]
@@ -60,8 +62,22 @@ def manager_stats(manager: EngineView) -> dict[str, Any]:
         corrupt_files=out["corrupt_slot_files"] + (manager.disk.corrupt_files if manager.disk is not None else 0),
         shared=manager.store.shared.stats() if manager.store.shared is not None else None,
         costs=manager.rules.costs.snapshot(),
+        plugins=plugin_names(manager.plugins),
     )
     return out
+
+
+def plugin_names(plugins: Any) -> list[str]:
+    """The plugins registered with a pluggy plugin manager, sorted: each by the name it was registered under, or by
+    its class (``module.Class``) where it was registered without one (pluggy then names it by its ``id()``)."""
+    names = []
+    for name, plugin in plugins.list_name_plugin():
+        if plugin is None:  # blocked names
+            continue
+        if name == str(id(plugin)):
+            name = f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+        names.append(name)
+    return sorted(names)
 
 
 def describe(manager: EngineView, namespace: str | None = None) -> dict[str, Any]:

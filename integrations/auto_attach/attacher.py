@@ -9,7 +9,8 @@ Embedding and vocab-only models cannot be attached (``attach`` raises :class:`~c
 they are left as they are, with a debug log.
 Llamas of the same model file share one prompt cache, so a program that creates a new ``Llama`` per job (or a
 library that does) finds the entries of the previous ones; entries of other context settings stay apart by their
-fingerprint.
+fingerprint. Closing an attached ``Llama`` first puts its live conversation into that cache (a multi-model
+``llama_cpp.server`` closes one model to load another).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ckpt_plugin import (
     attach,
     manager_of,
 )
+from ckpt_plugin.hosts.llama_cpp import compat as host_compat
 from ckpt_plugin.tiers.registry import TIERS
 
 from ckpt_plugin_integrations.auto_attach.llama_hook import enabled, wrap_llama_init
@@ -111,6 +113,7 @@ class AutoAttacher:
             log.exception("not attaching %s: attach failed", label)
             return None
         label = self._register(label, llama)
+        park_before_close(llama, manager)
         log.debug("attached %s (model %s)", label, llama.model_path)
         if self.metrics is not None:
             self.metrics.watch(label, manager)
@@ -148,6 +151,28 @@ class AutoAttacher:
             llamas = {label: ref() for label, ref in self._llamas.items()}
         found = {label: manager_of(llama) for label, llama in llamas.items() if llama is not None}
         return {label: manager for label, manager in found.items() if manager is not None}
+
+
+def park_before_close(llama: Llama, manager: CheckpointManager) -> None:
+    """Put ``llama``'s live conversation into its cache when the program closes it (this instance's ``close``).
+
+    A host that switches models closes one ``Llama`` and creates another (``llama_cpp.server`` with several models
+    in its ``--config_file``); Llamas of one model file share a prompt cache, so the conversation parked here is
+    found again when that model is loaded back, as under ckpt-serve.
+    """
+    close = llama.close
+
+    def close_after_parking() -> None:
+        # Still attached (not detached meanwhile), its context not freed yet (Llama.__del__ calls close again, also
+        # after an explicit close, and garbage collection may free the context first), the interpreter not exiting.
+        if manager_of(llama) is manager and host_compat.context_alive(llama) and not sys.is_finalizing():
+            try:
+                manager.flush()
+            except Exception:  # noqa: BLE001 - closing must not fail for a cache that could not be filled
+                log.exception("could not put the live conversation of %s into its cache", model_label(llama))
+        close()
+
+    llama.close = close_after_parking  # type: ignore[method-assign]
 
 
 _current: AutoAttacher | None = None

@@ -13,6 +13,9 @@ import difflib
 import json
 import os
 import pathlib
+import re
+import shutil
+import subprocess
 import sys
 from typing import Any, NoReturn, Sequence
 
@@ -176,6 +179,64 @@ def known_variables() -> set[str]:
     return setting_variables(RunSettings, CheckpointSettings, ServeSettings)
 
 
+_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?")
+_OWN_NAMES = {"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
+
+
+def own_interpreter(command: list[str]) -> list[str]:
+    """``command`` with a bare ``python`` (``python3``, ``python3.X`` of this version) replaced by ckpt-run's own
+    interpreter: the one ckpt_plugin is installed in. A ckpt-run started by path from outside its environment
+    (``.venv/bin/ckpt-run -- python app.py``) would otherwise start whichever ``python`` is first on ``PATH``, which
+    attaches nothing and fails later with ``No module named 'llama_cpp'``."""
+    if command and command[0] in _OWN_NAMES:
+        return [sys.executable, *command[1:]]
+    return command
+
+
+def command_interpreter(program: str, path: str | None) -> str | None:
+    """The Python interpreter ``program`` runs on: itself if it is one, else the interpreter of its ``#!`` line;
+    ``None`` for anything else (a binary, a shell script, a program not found)."""
+    found = shutil.which(program, path=path)
+    if found is None:
+        return None
+    if _PYTHON_NAME.fullmatch(os.path.basename(found)):
+        return found
+    try:
+        with open(found, "rb") as handle:
+            first = handle.readline(512).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    if not first.startswith("#!"):
+        return None
+    words = first[2:].split()
+    if words and os.path.basename(words[0]) == "env":
+        words = [w for w in words[1:] if not w.startswith("-")]
+        return command_interpreter(words[0], path) if words else None
+    return words[0] if words and _PYTHON_NAME.fullmatch(os.path.basename(words[0])) else None
+
+
+def check_interpreter(command: list[str], environ: dict[str, str]) -> None:
+    """Stop with one line where the command's Python cannot import ckpt_plugin (nothing would be attached).
+
+    :raises ConfigError: Naming the interpreter and what to do.
+    """
+    interpreter = command_interpreter(command[0], environ.get("PATH"))
+    if interpreter is None or os.path.dirname(os.path.abspath(interpreter)) == os.path.dirname(sys.executable):
+        return
+    # What the boot sitecustomize imports, and llama_cpp, which the attacher needs.
+    probe = ("import importlib.util, sys\n"
+             "from ckpt_plugin_integrations.auto_attach.startup import start_quietly\n"
+             "sys.exit(importlib.util.find_spec('llama_cpp') is None)")
+    try:
+        found = subprocess.run([interpreter, "-c", probe], env=environ, capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return  # the exec below says what is wrong with it
+    if not found:
+        via = "" if os.path.basename(command[0]) == os.path.basename(interpreter) else f" (through {command[0]})"
+        raise ConfigError(f"{interpreter}{via} is a Python without ckpt_plugin, so nothing would be attached: run "
+                          f"ckpt-run with that Python's environment, or the command with {sys.executable}")
+
+
 def _fail(message: str, status: int = 2) -> NoReturn:
     print(f"ckpt-run: {message}", file=sys.stderr)
     sys.exit(status)
@@ -192,9 +253,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not command:
         parser.print_usage(sys.stderr)
         _fail("no command given (e.g. ckpt-run -- python app.py)")
+    command = own_interpreter(command)
     try:
         env = child_environment(args, dict(os.environ))
         validate(env, args)
+        check_interpreter(command, dict(os.environ))
     except (ConfigError, ValidationError, json.JSONDecodeError) as exc:
         _fail(str(exc))
     try:

@@ -32,7 +32,7 @@ def create_app(
     :return: The FastAPI app; ``app.state.llama_proxy`` is the proxy (its ``managers`` are the live managers).
     """
     settings = checkpoint_settings or ServeSettings()
-    check_parallel(model_settings, settings.parallel)
+    check_parallel(model_settings, settings.parallel, draft_model=settings.draft_model)
     original = host.LlamaProxy
     # The host builds its proxy by this module-level name; swap it only while the app is built.
     host.LlamaProxy = functools.partial(CheckpointLlamaProxy, settings=settings)  # type: ignore[misc]
@@ -58,6 +58,7 @@ def create_app(
         api_key=server_settings.api_key,
         guards=host_route_guards(app, proxy, grammars),
         admission=admission,
+        model_stats=proxy.model_stats,
     )
     warm_up(grammars, proxy)
     return app

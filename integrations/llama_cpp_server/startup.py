@@ -1,0 +1,96 @@
+"""What ckpt-serve says once its models are loaded: one start-up line, and the refusal of a budget too small to hold
+one cache entry (docs/server.md, "The start-up line")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llama_cpp.server.settings import ModelSettings
+
+from ckpt_plugin.core.config import ServeSettings
+from ckpt_plugin.core.errors import ConfigError
+from ckpt_plugin.plugins.default import DEFAULT_PLUGIN_NAME
+from ckpt_plugin.hosts.llama_cpp.default_model import is_default_model
+from ckpt_plugin.services.stats import plugin_names
+
+from ckpt_plugin_integrations.llama_cpp_server.model_checks import gguf_strings
+from ckpt_plugin_integrations.settings_flags import format_size
+
+INTERNAL_PLUGINS = frozenset({DEFAULT_PLUGIN_NAME, "ckpt_plugin.http.metrics"})
+"""Plugins every manager of ckpt-serve has: the start-up line names only the others (entry points, your own)."""
+
+
+def chat_format_text(model: ModelSettings) -> str:
+    """How chat requests to ``model`` are formatted: its chat format, its GGUF's template, or llama-2 as fallback."""
+    if model.chat_format is not None:
+        return model.chat_format
+    if model.hf_model_repo_id is not None:
+        return "the GGUF's chat template"
+    metadata = gguf_strings(model.model, {"tokenizer.chat_template"})
+    if metadata and "tokenizer.chat_template" in metadata:
+        return "the GGUF's chat template"
+    return "llama-2 (the GGUF has no chat template)"
+
+
+def base_url(host: str, port: int, tls: bool) -> str:
+    """The URL clients use, with the OpenAI API's ``/v1``."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}/v1"
+
+
+def _model_text(model: ModelSettings, loaded: bool, several: bool) -> str:
+    alias = model.model_alias or model.model
+    text = alias if alias == model.model else f"{alias} ({model.model})"
+    if is_default_model(model.model):
+        text += " (the built-in Gemma-3-270M)"
+    return f"{text}{' (loaded)' if loaded and several else ''}"
+
+
+def startup_line(url: str, models: list[ModelSettings], managers: dict[str, Any], settings: ServeSettings) -> str:
+    """The start-up line: the models (the loaded one first), address, chat format, slots, state budget, tiers,
+    admin, metrics and slot routes, and the plugins loaded besides ckpt_plugin's own."""
+    current = next(iter(managers), None)
+    loaded = next((m for m in models if (m.model_alias or m.model) == current), models[0])
+    others = [m for m in models if m is not loaded]
+    manager = managers.get(current) if current is not None else None
+    parts = [
+        "serving " + ", ".join(_model_text(m, m is loaded, bool(others)) for m in [loaded, *others]) + f" at {url}",
+        f"chat format {chat_format_text(loaded)}",
+        f"{settings.parallel} slot{'s' if settings.parallel > 1 else ''} of n_ctx {loaded.n_ctx}",
+    ]
+    if manager is not None:
+        budget = manager.cache.max_bytes
+        parts.append(f"state budget {format_size(budget)}" if budget else "state budget 0 (reuse off)")
+        tiers = ["ram"]
+        if manager.disk is not None:
+            tiers.append(f"disk {settings.disk_dir} ({format_size(settings.disk_max_bytes)})")
+        if manager.store.shared is not None:
+            tiers.append(f"shared {manager.store.shared.stats()['url']}")
+        parts.append("tiers " + " + ".join(tiers))
+        extra = [name for name in plugin_names(manager.plugins) if name not in INTERNAL_PLUGINS]
+        parts.append("plugins " + (", ".join(extra) if extra else "none besides ckpt_plugin's own"))
+    parts.append("admin routes on (/checkpoints, /checkpoints/stats)" if settings.admin
+                 else "admin routes off (--admin true)")
+    parts.append("metrics /metrics" if settings.metrics else "metrics off")
+    parts.append(f"slot files in {settings.slot_save_path}" if settings.slot_save_path
+                 else "slot files off (--slot-save-path)")
+    return "ckpt-serve: " + "; ".join(parts)
+
+
+def check_budgets(managers: dict[str, Any], floors: dict[str, int], source: str) -> None:
+    """Refuse a state budget that cannot hold one prompt-cache entry of a loaded model: every entry would be refused
+    and nothing reused. A budget of 0 is taken as reuse turned off on purpose.
+
+    :param floors: The least bytes of one entry by model (:func:`~ckpt_plugin.hosts.llama_cpp.model_sizes.entry_floor_bytes`).
+    :param source: The flag, variable or config key that set the budget.
+    :raises ConfigError: Naming ``source``, the budget and what one entry needs.
+    """
+    for alias, manager in managers.items():
+        budget, floor = manager.cache.max_bytes, floors.get(alias, 0)
+        if 0 < budget < floor:
+            raise ConfigError(
+                f"{source}: a state budget of {budget:,} bytes cannot hold one prompt-cache entry of {alias} (at "
+                f"least {floor:,} bytes: {manager.settings.cache_min_tokens} tokens of its KV cache), so nothing "
+                f"would be reused; give at least {format_size(-(-floor // 1024) * 1024)}, e.g. 1GiB, or 0 to turn "
+                "reuse off"
+            )
