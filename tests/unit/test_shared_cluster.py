@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import pytest
 
 from ckpt_plugin.engine.manager import CheckpointManager

@@ -1,0 +1,113 @@
+"""Two real ckpt-serve replicas on a real 3-node Redis Cluster, each given another node's URL: a conversation moves
+between them at every turn and answers as a fresh context does, with ``cached_tokens`` covering at least 80% of
+the prompt; the entries spread over the nodes; a node killed mid-conversation and slots moved between nodes while
+serving cost misses only, never an error; the killed node back, the replicas use it again by themselves."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from support.redis_cluster import RedisCluster, run_cluster
+from support.servers import Server, model_args, run_server
+from support.shared_chat import SYSTEMS, USERS, cached, chat, content, served, shared_args
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    path = tiny_model("llama")
+    with run_cluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        urls = [f"redis://127.0.0.1:{node.port}" for node in cluster.nodes[:2]]
+        with run_server(shared_args(path, urls[0], "cl")) as a, run_server(shared_args(path, urls[1], "cl")) as b, \
+                run_server(model_args(path, flash_attn="false"), plain=True) as plain:
+            yield cluster, a, b, plain
+
+
+def moved_turns(a: Server, b: Server, plain: Server, name: str, turns: int = 3, written: bool = True) -> list[float]:
+    """A conversation whose every turn goes to the replica that did not serve the previous one; the share of each
+    moved turn's prompt that came from the cache. ``written``: each turn waits until its state is in the tier."""
+    messages = [{"role": "system", "content": f"{name}: {SYSTEMS[0]}"}]
+    shares = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": USERS[turn % len(USERS)]})
+        response = (served if written else chat)((a, b)[turn % 2], messages)
+        assert content(response) == content(chat(plain, messages)), (name, turn)
+        if turn:
+            shares.append(cached(response) / response.usage.prompt_tokens)
+        messages.append({"role": "assistant", "content": content(response)})
+    return shares
+
+
+def test_replicas_on_a_cluster_resume_each_others_conversations(deployment: Any) -> None:
+    cluster, a, b, plain = deployment
+    for name in ("first", "second"):
+        shares = moved_turns(a, b, plain, name)
+        assert min(shares) >= 0.8, shares
+    assert a.metric("shared_errors_total") == b.metric("shared_errors_total") == 0
+    assert a.metric("shared_hits_total") + b.metric("shared_hits_total") >= 4
+    # the states are on every node; a partition's index and manifests on one
+    keys = cluster.keys("cl*")
+    assert all(any(b":b:" in key for key in found) for found in keys.values()), {p: len(k) for p, k in keys.items()}
+    assert sum(1 for found in keys.values() if any(b"}:e:" in key for key in found)) == 1
+
+
+def test_a_node_killed_mid_conversation_costs_misses_only(deployment: Any) -> None:
+    cluster, a, b, plain = deployment
+    messages = [{"role": "system", "content": f"killed: {SYSTEMS[1]}"}, {"role": "user", "content": USERS[0]}]
+    first = served(a, messages)
+    messages += [{"role": "assistant", "content": content(first)}, {"role": "user", "content": USERS[1]}]
+    # a node holding blobs but not the partition's index: entries whose blobs are elsewhere stay served (without
+    # the partition's node, every lookup is a miss until it is back)
+    victim = next(node for node, found in zip(cluster.nodes, cluster.keys("cl*").values())
+                  if not any(b"}:e:" in key for key in found))
+    victim.kill()
+    try:
+        for replica in (b, a, b):
+            started = time.monotonic()
+            response = chat(replica, messages)  # a 5xx raises here
+            assert time.monotonic() - started < 10
+            assert content(response) == content(chat(plain, messages))
+            messages += [{"role": "assistant", "content": content(response)}, {"role": "user", "content": USERS[2]}]
+        for name in ("during-1", "during-2"):  # conversations begun while the node is down: all served
+            moved_turns(a, b, plain, name, turns=2, written=False)  # a write to the lost node is dropped
+    finally:
+        victim.start()
+    cluster.wait_ok()
+    # back by themselves: the probes find the node, and moved turns are served from the cluster again
+    deadline = time.monotonic() + 20
+    while True:
+        shares = moved_turns(a, b, plain, f"after-{time.monotonic()}", turns=2)
+        if min(shares) >= 0.8:
+            break
+        assert time.monotonic() < deadline, "the replicas did not use the restarted node again"
+        time.sleep(0.5)
+
+
+def test_slots_moving_while_serving_cost_misses_only(deployment: Any) -> None:
+    cluster, a, b, plain = deployment
+    partition_node = next(node for node, found in zip(cluster.nodes, cluster.keys("cl*").values())
+                          if any(b"}:e:" in key for key in found))
+    target = next(node for node in cluster.nodes if node is not partition_node)
+    failures: list[BaseException] = []
+
+    def move() -> None:
+        try:
+            cluster.reshard(partition_node, target, cluster.slots_of(partition_node))
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    mover = threading.Thread(target=move)
+    mover.start()
+    turns = 0
+    while mover.is_alive() or turns < 2:
+        # answers equal a fresh context's, no 5xx; a write may be refused while its slot moves
+        moved_turns(a, b, plain, f"moving-{turns}", turns=2, written=False)
+        turns += 1
+    mover.join()
+    assert not failures, failures
+    cluster.wait_ok()
+    shares = moved_turns(a, b, plain, "moved", turns=3)
+    assert min(shares) >= 0.8, shares
