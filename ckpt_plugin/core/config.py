@@ -184,14 +184,6 @@ class CheckpointSettings(BaseSettings):
         return value
 
 
-PARALLEL_DRAFT_UNSUPPORTED = (
-    "parallel slots (parallel > 1) do not support a draft model yet: a draft model's context holds one sequence; "
-    "serve one with parallel 1"
-)
-"""Why a draft model (ckpt-serve's ``draft_model``, or llama_cpp.server's prompt lookup) and ``parallel > 1`` are
-refused before anything loads."""
-
-
 def combination_error(message: str, *fields: str) -> PydanticCustomError:
     """A validation error about settings that do not go together, naming them in its context (``ctx["fields"]``),
     so that a command line can say which flags, variables or config keys gave them."""
@@ -267,6 +259,4 @@ class ServeSettings(CheckpointSettings):
         if self.namespaces == "header" and not self.namespace_header:
             raise combination_error("namespaces='header' needs namespace_header (the header your gateway sets)",
                                     "namespaces")
-        if self.parallel > 1 and self.draft_model is not None:
-            raise combination_error(PARALLEL_DRAFT_UNSUPPORTED, "parallel", "draft_model")
         return self

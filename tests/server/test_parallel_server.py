@@ -280,9 +280,41 @@ def test_parallel_slots_without_flash_attention(tiny_model: Any) -> None:
             assert same_or_near_tie(reply, reference(plain, messages))
 
 
+def stats(server: Any) -> dict[str, Any]:
+    """The stats of the server's one model."""
+    (model,) = httpx.get(f"{server.url}/checkpoints/stats", timeout=BOUND).json()["models"].values()
+    return model
+
+
+@pytest.mark.parametrize("drafting", [["--draft-model", "{model}"], ["--draft_model", "prompt-lookup-decoding"]])
+def test_four_concurrent_chats_with_a_draft_answer_as_without_one(tiny_model: Any, drafting: list[str]) -> None:
+    """Every slot drafts (from its own sequence of the draft context, or its own prompt lookup decoder): the replies
+    are those of the same server without a draft, streams dropped mid-way free their slots, and the next turns
+    resume from checkpoints that carry the draft's state."""
+    model = str(tiny_model("llama"))
+    args = model_args(tiny_model("llama")) + ["--parallel", "4", "--admin", "true"]
+    with run_server(args) as plain, run_server(args + [a.format(model=model) for a in drafting]) as server:
+        firsts = [conversation(i, "draft") for i in range(4)]
+        expected = [chat(plain, m)[0] for m in firsts]
+        got = all_at_once([lambda m=m, i=i: chat(server, m, stream=i % 2 == 0)[0] for i, m in enumerate(firsts)])
+        assert got == expected
+        dropped = all_at_once([
+            lambda: drop_stream(server, conversation(5, "drop"), 3, max_tokens=200, timeout=BOUND),
+            lambda: chat(server, firsts[1], stream=True)[0],
+        ])
+        assert dropped[1] == expected[1]
+        wait_until_idle(server)
+        seconds = [m + [{"role": "assistant", "content": e}, {"role": "user", "content": "and then?"}]
+                   for m, e in zip(firsts, expected)]
+        want = [chat(plain, m)[0] for m in seconds]
+        again = all_at_once([lambda m=m: chat(server, m) for m in seconds])
+        assert [text for text, _ in again] == want
+        assert all(usage.prompt_tokens_details.cached_tokens > 40 for _, usage in again)
+        assert stats(server)["draft_dropped"] == 0
+
+
 @pytest.mark.parametrize("extra, words", [
-    (["--draft-model", "{model}"], "--parallel with --draft-model: parallel slots (parallel > 1) do not support"),
-    (["--draft_model", "prompt-lookup-decoding"], "--parallel with --draft_model: parallel slots (parallel > 1)"),
+    (["--draft-model", "{model}", "--draft_model", "prompt-lookup-decoding"], "choose one"),
     (["--config_file", "{two_models}"], "serves one model"),
     (["--chat_format", "llava-1-5", "--clip_model_path", "{model}"], "parallel slots do not decode images"),
 ])

@@ -15,12 +15,16 @@
   where the prompt's tokens are known: the idle slot sharing the longest prefix with them
   (:mod:`ckpt_plugin.hosts.llama_cpp.slot_choice`), leased until the generation ends.
 
-A draft model is not supported with N > 1 (the draft context has one sequence): :class:`ParallelLlama` refuses one.
+Speculative decoding: with a draft model (``draft=``), a draft context of N sequences whose drafting steps are batched
+like the target's, one draft per slot, its state stored with the slot's checkpoints
+(:mod:`ckpt_plugin.hosts.llama_cpp.slot_drafts`); llama-cpp-python's prompt lookup decoding
+(``LlamaPromptLookupDecoding`` as the host's ``draft_model``) gets an instance per slot.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import re
 import weakref
@@ -29,6 +33,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 from llama_cpp._internals import LlamaTokenDataArray
 from llama_cpp.llama import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from ckpt_plugin.tiers.ram import PromptCache
 from ckpt_plugin.core.config import CheckpointSettings
@@ -36,6 +41,7 @@ from ckpt_plugin.tiers.disk import DiskTier
 from ckpt_plugin.core.errors import UnsupportedHostError
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.hosts.llama_cpp.slot_choice import SlotLeases
+from ckpt_plugin.hosts.llama_cpp.slot_drafts import SlotDrafts
 from ckpt_plugin.hosts.llama_cpp.attach import Attachment
 from ckpt_plugin.hosts.llama_cpp.backend import HostRows
 from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler
@@ -132,7 +138,13 @@ class SlotAttachment(Attachment):
             # (BatchScheduler.held_until_submitted); a disk or shared tier may wait on a read or the network.
             held = parallel.scheduler.held_until_submitted(self.controller.lock) if parallel.manager.store.in_memory \
                 else contextlib.nullcontext()
-            with parallel.scheduler.generating(slot_id), held:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(parallel.scheduler.generating(slot_id))
+                if parallel.drafts is not None:
+                    self.llama.draft_model = stack.enter_context(parallel.drafts.drafting(slot_id))
+                elif parallel.lookups is not None:
+                    self.llama.draft_model = parallel.lookups[slot_id]
+                stack.enter_context(held)
                 yield
         finally:
             parallel.leases.release(slot_id)
@@ -164,9 +176,14 @@ class ParallelLlama:
     :param n_slots: Slots (sequences), at least 1.
     :param settings: Checkpoint settings of the engine.
     :param cache: A prompt cache to share; :param disk: a disk tier to share.
+    :param draft: A draft model for speculative decoding (same vocabulary): each slot drafts from its own sequence
+        of a draft context (the slots compute the logits rows a verification samples, whatever ``logits_all``).
+    :param n_draft: Tokens drafted per step with ``draft``.
     :ivar manager: The engine, one slot per sequence.
     :ivar leases: Which slot each generation holds.
-    :raises UnsupportedHostError: ``llama`` has a draft model, or serves embeddings.
+    :ivar drafts: The slots' draft models (``None`` without ``draft``).
+    :ivar lookups: A prompt lookup decoder per slot, where the host's ``draft_model`` is one.
+    :raises UnsupportedHostError: ``llama`` serves embeddings, or has a draft model other than prompt lookup.
     """
 
     def __init__(
@@ -177,10 +194,16 @@ class ParallelLlama:
         *,
         cache: PromptCache | None = None,
         disk: DiskTier | None = None,
+        draft: Llama | None = None,
+        n_draft: int = 4,
         **overrides: Any,
     ) -> None:
-        if llama.draft_model is not None:
-            raise UnsupportedHostError("parallel slots do not support a draft model (its context has one sequence)")
+        host_draft = llama.draft_model
+        if host_draft is not None and not isinstance(host_draft, LlamaPromptLookupDecoding):
+            raise UnsupportedHostError("parallel slots take a draft model as ParallelLlama(draft=...), which gives "
+                                       "each slot a sequence of its own; a Llama's draft_model has one")
+        if draft is not None and host_draft is not None:
+            raise UnsupportedHostError("a draft model and prompt lookup decoding cannot both draft")
         if llama.context_params.embeddings:
             raise UnsupportedHostError("embedding contexts have no generation state to checkpoint")
         self.llama = llama
@@ -191,6 +214,17 @@ class ParallelLlama:
         self.manager = CheckpointManager(self.backends[0], settings, cache=cache, disk=disk,
                                          more_slots=self.backends[1:], **overrides)
         self.leases = SlotLeases(n_slots, self._describe)
+        self.lookups = [copy.copy(host_draft) for _ in range(n_slots)] if host_draft is not None else None
+        self.drafts: SlotDrafts | None = None
+        if draft is not None:
+            self.drafts = SlotDrafts(draft, llama, n_slots=n_slots, n_ctx=n_ctx, n_draft=n_draft)
+            states = self.drafts.state_plugin()
+            try:
+                states.on_attach(self.manager)
+            except BaseException:
+                self.close()
+                raise
+            self.manager.plugins.register(states, name="ckpt_plugin.draft")
         self.manager.hooks.call(self.manager.hooks.hook.on_attach)
 
     @property
@@ -219,3 +253,5 @@ class ParallelLlama:
         self.manager.close()
         self.scheduler.close()
         self.context.close()
+        if self.drafts is not None:
+            self.drafts.close()

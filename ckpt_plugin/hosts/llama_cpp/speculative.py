@@ -21,7 +21,7 @@ and dropped with a warning and the ``draft_dropped`` counter; the request is ser
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from ckpt_plugin.plugins.hookspecs import hookimpl, restored_extra
 from ckpt_plugin.hosts.llama_cpp.attach import attach
 from ckpt_plugin.hosts.llama_cpp.context import last_logits, LlamaDraftModel, vocab_digest
 from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.engine.slot_controller import SlotController
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -62,6 +63,11 @@ class DraftModel(LlamaDraftModel):
         self.drafted = 0
         self.accepted = 0
         self._last: tuple[int, list[int]] | None = None
+
+    @property
+    def controller(self) -> SlotController:
+        """The draft engine's slot (the draft context's one sequence)."""
+        return self.manager.slots[0]
 
     @property
     def acceptance(self) -> float:
@@ -99,13 +105,24 @@ class DraftModel(LlamaDraftModel):
         return np.asarray(drafted, dtype=np.intc)
 
 
+class KeptInStep(Protocol):
+    """A draft kept in step with a target slot: what :class:`DraftStatePlugin` stores and restores."""
+
+    @property
+    def controller(self) -> SlotController:
+        """The draft engine's slot that holds the draft's sequence."""
+
+    def sync(self, tokens: np.ndarray) -> None:
+        """Make the draft sequence hold ``tokens``."""
+
+
 class DraftStatePlugin:
     """Stores the draft context's state with every checkpoint of the target and restores it after the target.
 
-    :param draft: The :class:`DraftModel`.
+    :param draft: The :class:`DraftModel` (or one slot's draft, :class:`~.slot_drafts.SlotDraft`).
     """
 
-    def __init__(self, draft: DraftModel) -> None:
+    def __init__(self, draft: KeptInStep) -> None:
         self.draft = draft
         self.dropped = 0
         self.restored = 0
@@ -122,13 +139,14 @@ class DraftStatePlugin:
     def on_checkpoint_capture(
         self, manager: CheckpointManager, slot: Any, n_tokens: int, partial: bool
     ) -> ExtraState | None:
-        self.draft.sync(slot.tokens)
-        draft = self.draft.manager
-        # Full draft state, whatever ``partial`` says: the draft's own memory may not hold the attention part a
-        # partial state would need once the target restores it.
-        size = draft.backend.state_size(partial=False)
-        buffer = draft_buffer(size, manager.cache.pool)
-        written = draft.backend.read_state(buffer[HEADER:], partial=False)
+        draft = self.draft.controller
+        with draft.lock:  # the sequence captured is the one synced
+            self.draft.sync(slot.tokens)
+            # Full draft state, whatever ``partial`` says: the draft's own memory may not hold the attention part a
+            # partial state would need once the target restores it.
+            size = draft.backend.state_size(partial=False)
+            buffer = draft_buffer(size, manager.cache.pool)
+            written = draft.backend.read_state(buffer[HEADER:], partial=False)
         if written != size:
             log.warning("draft state capture wrote %d of %d bytes; checkpoint kept without draft state", written, size)
             return None
@@ -144,7 +162,7 @@ class DraftStatePlugin:
         data = restored_extra(DRAFT, checkpoint, entry)
         if data is None:
             return
-        draft = self.draft.manager
+        draft = self.draft.controller
         fingerprint, n_saved = parse_draft_header(data)
         if fingerprint != draft.fingerprint.encode()[:48] or n_saved > len(slot.lineage):
             self._drop(manager, "it was made for another draft model or context")
@@ -153,7 +171,8 @@ class DraftStatePlugin:
         state = Checkpoint(n_tokens=n_saved, pos_min=pos_min, pos_max=n_saved - 1, partial=False,
                            target=data[HEADER:], fingerprint=draft.fingerprint)
         try:
-            draft.load(CacheEntry(slot.lineage[:n_saved].copy(), state, ()))
+            with draft.lock:
+                draft.load(CacheEntry(slot.lineage[:n_saved].copy(), state, ()))
         except IncompatibleStateError as exc:
             self._drop(manager, str(exc))
             return

@@ -1,0 +1,215 @@
+"""A draft model for every slot of a :class:`~ckpt_plugin.hosts.llama_cpp.parallel.ParallelLlama`.
+
+One draft context over the draft model's weights holds a sequence per slot, as the target context does
+(:class:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceContext`); its own
+:class:`~ckpt_plugin.hosts.llama_cpp.scheduler.BatchScheduler` decodes the drafting steps of every speculating slot in
+one batch. Each draft sequence is kept in step with its slot's tokens by an engine of its own (only new tokens are
+evaluated; rejected drafts are cut off), and its state rides in every checkpoint and cache entry of the target slot
+(the named extra state ``draft``, :class:`SlotDraftStates`), so that after a restore the draft evaluates only the
+tokens past it, whichever slot the state is restored into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+from llama_cpp.llama import Llama
+
+from ckpt_plugin.core.checkpoint import Checkpoint, ExtraState
+from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.core.errors import IncompatibleStateError
+from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.engine.slot_controller import SlotController
+from ckpt_plugin.hosts.llama_cpp.context import LlamaDraftModel, vocab_digest
+from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler
+from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
+from ckpt_plugin.hosts.llama_cpp.speculative import DraftStatePlugin
+from ckpt_plugin.plugins.hookspecs import hookimpl
+
+
+class DraftSequence(SequenceBackend):
+    """One sequence of the draft context, evaluated through the draft scheduler (in one batch with the other slots'
+    drafting steps); keeps the logits of its last token.
+
+    :param context: The draft context.
+    :param seq_id: The sequence (the target slot's id).
+    :param scheduler: The draft context's scheduler.
+    """
+
+    def __init__(self, context: SequenceContext, seq_id: int, scheduler: BatchScheduler) -> None:
+        super().__init__(context, seq_id)
+        self.scheduler = scheduler
+        self.last_row = np.zeros(context.n_vocab, dtype=np.single)
+
+    def decode(self, tokens: np.ndarray) -> None:
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if not len(tokens):
+            return
+        n_past = self.pos_max() + 1
+        try:
+            rows = self.scheduler.decode(self.seq_id, tokens, n_past, len(tokens) - 1)
+        except BaseException:
+            self.evaluated(None)
+            raise
+        self.evaluated(n_past + len(tokens))
+        self.last_row = rows[-1]
+
+
+class SlotDraft(LlamaDraftModel):
+    """The draft model of one slot: greedy drafts from its sequence of the draft context.
+
+    :param drafts: The drafts of every slot.
+    :param slot_id: The slot.
+    """
+
+    def __init__(self, drafts: SlotDrafts, slot_id: int) -> None:
+        self.drafts = drafts
+        self.slot_id = slot_id
+        self._last: tuple[int, list[int]] | None = None
+
+    @property
+    def controller(self) -> SlotController:
+        """The draft engine's slot of this target slot."""
+        return self.drafts.engine.slots[self.slot_id]
+
+    def sync(self, tokens: np.ndarray) -> None:
+        """Make the draft sequence hold ``tokens`` (evaluating only what it does not hold yet)."""
+        controller = self.controller
+        with controller.lock:
+            n_keep = controller.prepare(tokens)
+            controller.process(tokens[n_keep:])
+
+    def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
+        tokens = np.asarray(input_ids, dtype=np.int32)
+        if len(tokens) == 0:
+            return np.empty(0, dtype=np.intc)
+        self._score_last_draft(tokens)
+        controller, n_draft = self.controller, self.drafts.n_draft
+        drafted: list[int] = []
+        with controller.lock:
+            self.sync(tokens)
+            backend = self.drafts.sequences[self.slot_id]
+            for i in range(n_draft):
+                drafted.append(int(np.argmax(backend.last_row)))
+                if i + 1 < n_draft:
+                    controller.process(np.asarray(drafted[-1:], dtype=np.int32))
+        self.drafts.count(drafted=len(drafted))
+        self._last = (len(tokens), drafted)
+        return np.asarray(drafted, dtype=np.intc)
+
+    def start_generation(self) -> None:
+        """A new generation holds the slot: the last draft (another generation's) is not this one's to score."""
+        self._last = None
+
+    def _score_last_draft(self, tokens: np.ndarray) -> None:
+        """Count the tokens of the previous draft that the target accepted (``tokens`` holds them where it did)."""
+        if self._last is None:
+            return
+        start, drafted = self._last
+        accepted = 0
+        for offset, token in enumerate(drafted):
+            if start + offset >= len(tokens) or int(tokens[start + offset]) != token:
+                break
+            accepted += 1
+        self.drafts.count(scored=len(drafted), accepted=accepted)
+
+
+class SlotDrafts:
+    """A draft model per slot over one draft context of ``n_slots`` sequences.
+
+    :param draft: The draft ``Llama`` (its weights are used; its own context is not).
+    :param target: The target ``Llama``; its vocabulary must be the draft's.
+    :param n_slots: Slots of the target.
+    :param n_ctx: Positions each slot's draft sequence can hold (the target's per slot).
+    :param n_draft: Tokens drafted per call.
+    :ivar engine: The draft context's engine: one slot per target slot, no cache of its own (the target's checkpoints
+        carry the draft state), no shared tier, no checkpoints.
+    :ivar drafted: Tokens drafted so far.
+    :ivar scored: Of those, the tokens whose fate is known (a slot's next drafting call sees which the target kept;
+        the last draft of a generation is never seen).
+    :ivar accepted: Of those, the tokens the target accepted.
+    """
+
+    def __init__(self, draft: Llama, target: Llama, *, n_slots: int, n_ctx: int, n_draft: int = 4) -> None:
+        if n_draft < 1:
+            raise ValueError(f"n_draft must be >= 1, got {n_draft}")
+        if vocab_digest(draft) != vocab_digest(target):
+            raise IncompatibleStateError("the draft model's vocabulary differs from the target's")
+        self.llama = draft
+        self.n_draft = n_draft
+        self.context = SequenceContext(draft, n_slots, n_ctx=n_ctx * n_slots, unified=False)
+        self.scheduler = BatchScheduler(self.context)
+        self.sequences = [DraftSequence(self.context, i, self.scheduler) for i in range(n_slots)]
+        self.engine = CheckpointManager(self.sequences[0], more_slots=self.sequences[1:], load_entrypoints=False,
+                                        checkpoint_min_step=1 << 30, cache_max_bytes=0, redis_url=None,
+                                        disk_dir=None)
+        self.models = [SlotDraft(self, i) for i in range(n_slots)]
+        self.drafted = 0
+        self.scored = 0
+        self.accepted = 0
+        self._counting = threading.Lock()
+
+    @property
+    def acceptance(self) -> float:
+        """Fraction of the scored drafted tokens that the target accepted."""
+        return self.accepted / self.scored if self.scored else 0.0
+
+    def count(self, drafted: int = 0, scored: int = 0, accepted: int = 0) -> None:
+        """Add to the counts (slots draft from several threads)."""
+        with self._counting:
+            self.drafted += drafted
+            self.scored += scored
+            self.accepted += accepted
+
+    @contextlib.contextmanager
+    def drafting(self, slot_id: int) -> Iterator[SlotDraft]:
+        """While a generation holds ``slot_id``: its draft model, whose steps the draft scheduler waits for."""
+        model = self.models[slot_id]
+        model.start_generation()
+        with self.scheduler.generating(slot_id):
+            yield model
+
+    def state_plugin(self) -> SlotDraftStates:
+        """The plugin that stores each slot's draft state with the target slot's checkpoints."""
+        return SlotDraftStates(self)
+
+    def close(self) -> None:
+        """Close the draft engine, stop its scheduler and free the draft context."""
+        self.engine.close()
+        self.scheduler.close()
+        self.context.close()
+
+
+class SlotDraftStates:
+    """Stores the draft sequence of a target slot with every checkpoint and cache entry of that slot, and puts it back
+    into the draft sequence of whichever slot the target state is restored into.
+
+    :param drafts: The drafts of every slot.
+    """
+
+    def __init__(self, drafts: SlotDrafts) -> None:
+        self.drafts = drafts
+        self.by_slot = [DraftStatePlugin(model) for model in drafts.models]
+
+    @hookimpl
+    def on_attach(self, manager: CheckpointManager) -> None:
+        self.by_slot[0].on_attach(manager)
+
+    @hookimpl
+    def on_checkpoint_capture(self, manager: CheckpointManager, slot: Any, n_tokens: int,
+                              partial: bool) -> ExtraState | None:
+        return self.by_slot[slot.id].on_checkpoint_capture(manager, slot, n_tokens, partial)
+
+    @hookimpl(tryfirst=True)
+    def on_slot_restore(self, manager: CheckpointManager, slot: Any, checkpoint: Checkpoint | None,
+                        entry: CacheEntry | None, n_tokens: int) -> None:
+        self.by_slot[slot.id].on_slot_restore(manager, slot, checkpoint, entry, n_tokens)
+
+    @property
+    def restored(self) -> int:
+        """Draft states put back so far."""
+        return sum(plugin.restored for plugin in self.by_slot)
+
