@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
@@ -32,6 +32,28 @@ if TYPE_CHECKING:
     from ckpt_plugin.tiers.store import TieredStore
 
 log = logging.getLogger("ckpt_plugin")
+
+
+class CellSource(Protocol):
+    """Another live sequence of the same KV cache, offered to the planner (its ``peers``): the tokens its cells hold
+    from position 0, which a slot can take over without copying (``llama_memory_seq_cp`` in a unified cache)."""
+
+    @property
+    def tokens(self) -> np.ndarray: ...
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    @property
+    def pos_min(self) -> int: ...
+
+    @property
+    def checkpoints(self) -> Sequence[Checkpoint]: ...
+
+    def share_into(self, backend: Backend, n_keep: int) -> bool:
+        """Make ``backend``'s sequence hold this sequence's first ``n_keep`` cells (and nothing else); ``False``
+        if they no longer hold :attr:`tokens` (the other slot changed its memory since it was offered)."""
+
 
 
 class SlotMemory:
@@ -244,6 +266,19 @@ class SlotMemory:
             if id(checkpoint) not in kept:
                 self._erased(checkpoint, "invalidated")
 
+    def share(self, source: CellSource, n_keep: int) -> None:
+        """Take over ``source``'s first ``n_keep`` cells in place of the memory (no copy, no evaluation).
+
+        :raises StateRestoreError: ``source`` no longer holds them; the slot was cleared.
+        """
+        self._full_capture = None
+        self.opaque = False
+        if not source.share_into(self.backend, n_keep):
+            self.clear()
+            raise StateRestoreError(f"another slot's memory changed before its {n_keep} tokens could be shared")
+        self.adopt(source.tokens, (), n_keep)
+        self.counters.add(kv_shares=1, tokens_shared=n_keep)
+
     def invalidate_after(self, position: int) -> None:
         """Erase the slot's checkpoints past ``position`` (its lineage changes there)."""
         slot = self.slot
@@ -271,6 +306,13 @@ class SlotMemory:
             self.invalidate_after(rewritten_from)
         # The last full capture describes the old memory: do not keep its bytes alive for nothing.
         self._full_capture = None
+        self.publish()
+
+    def publish(self) -> None:
+        """Tell a backend whose cells other sequences may share what they hold now (record and memory agree)."""
+        publish = getattr(self.backend, "publish", None)
+        if publish is not None:
+            publish(self.slot.namespace, self.slot.tokens)
 
     def drop_full_capture(self) -> None:
         """Release the latest full capture kept for :meth:`save` (the next save captures the memory again)."""
@@ -283,6 +325,7 @@ class SlotMemory:
     def restored(self, seconds: float, checkpoint: Checkpoint | None, entry: CacheEntry | None) -> None:
         """A restore of ``entry`` and/or ``checkpoint`` took ``seconds``: time it, count it, tell the plugins."""
         self.last_restore_seconds = seconds
+        self.publish()
         self.counters.add(restore_seconds=seconds)
         self.hooks.call(self.hooks.hook.on_slot_restore, slot=self.slot, checkpoint=checkpoint, entry=entry,
                         n_tokens=self.slot.n_tokens)

@@ -44,6 +44,13 @@ def swa_threshold(kind: MemoryKind, n_keep: int) -> int:
     return max(0, n_keep - kind.n_swa + 1)
 
 
+def shares_cells(kind: MemoryKind) -> bool:
+    """Whether sequences of one KV cache may share a prefix's cells (``llama_memory_seq_cp`` in a unified cache):
+    plain attention only. A sliding window's cells are dropped per sequence as each one moves on, and a recurrent
+    state exists only at its end, so for those kinds a sequence's state stays its own (checkpoints and entries)."""
+    return kind.attention and not kind.swa and not kind.recurrent
+
+
 def can_truncate(kind: MemoryKind, n_memory: int, pos_min: int, n_keep: int) -> bool:
     """Whether a memory holding ``n_memory`` tokens can be cut back to ``n_keep`` without a checkpoint.
 
@@ -216,6 +223,8 @@ class Plan(Generic[C]):
         not fetched, what its index matched).
     :ivar by_cost: The plan keeps fewer tokens than it could (``most_tokens``), because that is clearly faster.
     :ivar fetches_skipped: Candidates of slower tiers not fetched, because even at best they could not be faster.
+    :ivar share: Another live sequence whose first ``n_keep`` cells the slot takes over, shared (``entry`` and
+        ``checkpoint`` are then ``None``, and the slot's own memory is discarded).
     """
 
     n_keep: int
@@ -230,11 +239,12 @@ class Plan(Generic[C]):
     most_tokens: int = 0
     by_cost: bool = False
     fetches_skipped: int = 0
+    share: C | None = None
 
     @property
     def needs_restore(self) -> bool:
         """Whether anything is restored (otherwise the memory is only truncated, or left as it is)."""
-        return self.entry is not None or self.checkpoint is not None
+        return self.entry is not None or self.checkpoint is not None or self.share is not None
 
 
 class _Pricer(Generic[C]):
@@ -279,6 +289,7 @@ def plan_prompt(
     min_tokens: int,
     max_keep: int | None = None,
     rates: Rates | None = None,
+    peers: Iterable[C] = (),
 ) -> Plan[C]:
     """Choose how to serve ``prompt``: from the live memory (truncated, or through one of its checkpoints) or from
     a stored candidate.
@@ -303,6 +314,9 @@ def plan_prompt(
     :param max_keep: Keep at most this many tokens (a request that reads prompt logits keeps only the prefix whose
         logits are known).
     :param rates: What evaluating and copying cost (:class:`~ckpt_plugin.policy.costs.Rates`), or ``None``.
+    :param peers: The live memories of other sequences of the same cache whose cells can be shared (only for a kind
+        that :func:`shares_cells`): nothing is copied, so one that keeps more tokens than the slot's own memory is
+        chosen over it and over every stored candidate keeping no more (no fetch, no restore).
     """
     limit = keep_limit(len(prompt), max_keep)
     options = reuse_options(kind, live.lineage, live.n_tokens, live.pos_min, live.checkpoints, prompt, limit)
@@ -316,6 +330,13 @@ def plan_prompt(
         for option in options:
             pricer.offer(pricer.live(option), option, None, None)
         most_seconds = pricer.live(live_reuse)
+    share: C | None = None
+    for peer in peers if shares_cells(kind) else ():
+        n_keep = min(common_prefix(peer.tokens, prompt), peer.n_tokens, limit)
+        if n_keep > best.n_keep:
+            best, share = Reuse(n_keep, None, n_keep), peer
+            shared = max(shared, n_keep)
+            most_seconds = option_seconds(rates, len(prompt) - n_keep, 0) if rates is not None else 0.0
     skipped, most_tokens = 0, 0
     for hit in hits:
         bound = min(hit.n_common, limit)
@@ -332,7 +353,7 @@ def plan_prompt(
                                       candidate.checkpoints, prompt, limit)[1:]
         reuse = max(entry_options, key=lambda option: option.n_keep, default=Reuse(0, None, 0))
         if reuse.n_keep > best.n_keep:
-            best, entry, tier = reuse, candidate, hit.tier
+            best, entry, tier, share = reuse, candidate, hit.tier, None
             if pricer is not None:
                 most_seconds = pricer.entry(hit.tier, candidate, reuse)
         if pricer is not None:
@@ -341,15 +362,16 @@ def plan_prompt(
                     pricer.offer(pricer.entry(hit.tier, candidate, option), option, candidate, hit.tier)
     chosen, estimate, by_cost = (best, entry, tier), most_seconds, False
     cheapest = pricer.cheapest if pricer is not None else None
-    if cheapest is not None and clearly_cheaper(most_seconds, cheapest[0]) and (
+    # A share copies nothing: no way keeping fewer tokens is cheaper (and the pricer does not know shares).
+    if share is None and cheapest is not None and clearly_cheaper(most_seconds, cheapest[0]) and (
             cheapest[2] is not entry or cheapest[1] != best):
         chosen, estimate, by_cost = cheapest[1:], cheapest[0], True
     reuse, entry, tier = chosen
     most_tokens = max(most_tokens, best.n_keep)
     by_cost = by_cost or most_tokens > reuse.n_keep
-    kept_live = reuse.n_keep if entry is None else 0
+    kept_live = reuse.n_keep if entry is None and share is None else 0
     park = live.n_tokens - kept_live >= min_discard and live.n_tokens >= min_tokens
     restore_state = entry is not None and not (kind.partial_is_complete and reuse.checkpoint is not None)
     return Plan(n_keep=reuse.n_keep, entry=entry, tier=tier, checkpoint=reuse.checkpoint, restore_state=restore_state,
                 park_live=park, live=live_reuse, shared=shared, estimated_seconds=estimate, most_tokens=most_tokens,
-                by_cost=by_cost, fetches_skipped=skipped)
+                by_cost=by_cost, fetches_skipped=skipped, share=share)

@@ -10,7 +10,7 @@ any other of the same context (the fingerprint covers the context's parameters a
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import llama_cpp
 import numpy as np
@@ -137,6 +137,13 @@ class SequenceBackend:
         # _pos_max: what llama.cpp answers for the sequence's largest position (a sliding-window memory answers for
         # its window, so this is not end_bound - 1 after a partial restore).
         self._pos_max: int | None = None
+        # (namespace, tokens) the cells hold from position 0, for other sequences of a unified cache to share
+        # (share_prefix). Set by the slot's own thread where its record and memory agree (publish); cut back under
+        # the context lock by every call that removes or replaces cells, before it does: a reader holding the lock
+        # never sees tokens the cells no longer hold. Appends leave it alone (it stays a prefix of the truth).
+        self.published: tuple[str, np.ndarray] | None = None
+        # Set where other sequences may share this one's cells: called after each publication.
+        self.on_publish: Callable[[], None] | None = None
 
     def evaluated(self, end: int | None) -> None:
         """The sequence, cut to some ``n_past`` first, got positions ``n_past..end - 1`` from a caller other than
@@ -151,6 +158,7 @@ class SequenceBackend:
         if p1 < 0 and not self.kind.recurrent and self.end_bound is not None and self.end_bound <= start:
             return True  # nothing there to remove
         with self.context.lock:
+            self._unpublish_from(start)
             removed = bool(llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, p0, p1))
             self._ask_pos_max()
         if removed and p1 < 0:
@@ -182,10 +190,48 @@ class SequenceBackend:
             # Unknown, not pos_max: a partial state restores the window only, and a sliding-window memory reports
             # the window's positions while its full-attention cells may hold more.
             self.end_bound = None
+            self.published = None
             read = int(llama_cpp.llama_state_seq_set_data_ext(
                 self.context.ctx, buffer.ctypes.data_as(U8_P), buffer.nbytes, self.seq_id, state_flags(partial)))
             self._ask_pos_max()
             return read
+
+    def _unpublish_from(self, start: int) -> None:
+        # The lock is held: the cells from ``start`` on are about to go.
+        published = self.published
+        if published is not None and len(published[1]) > start:
+            self.published = (published[0], published[1][:start]) if start > 0 else None
+
+    def publish(self, namespace: str, tokens: np.ndarray) -> None:
+        """The cells hold ``tokens`` from position 0 (the slot's record, which its own thread keeps; no lock: only
+        this thread changes the sequence, and a reader holds the lock, which every change of cells takes)."""
+        if self.on_publish is None:
+            return  # no sequence shares this one's cells (a KV stream each, or a kind that keeps them apart)
+        copied = np.array(tokens, dtype=np.int32)
+        copied.flags.writeable = False
+        self.published = (namespace, copied) if len(copied) else None
+        self.on_publish()
+
+    def share_prefix(self, source: SequenceBackend, tokens: np.ndarray, n_keep: int) -> bool:
+        """Hold ``source``'s first ``n_keep`` cells, shared (``llama_memory_seq_cp`` within one KV cache: no copy),
+        in place of this sequence's; ``False`` (nothing changed) unless ``source`` still holds ``tokens[:n_keep]``."""
+        context = self.context
+        with context.lock:
+            published = source.published
+            if (published is None or len(published[1]) < n_keep
+                    or not np.array_equal(published[1][:n_keep], tokens[:n_keep])):
+                return False
+            self._unpublish_from(0)
+            llama_cpp.llama_memory_seq_rm(context.memory, self.seq_id, -1, -1)
+            llama_cpp.llama_memory_seq_cp(context.memory, source.seq_id, self.seq_id, 0, n_keep)
+            held = self._ask_pos_max() + 1
+            self.end_bound = held
+            if held != n_keep:
+                return False
+            self.published = (published[0], published[1][:n_keep])
+        if self.on_publish is not None:
+            self.on_publish()
+        return True
 
     def pos_min(self) -> int:
         with self.context.lock:
