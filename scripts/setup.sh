@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Create .venv/ in the repository root and install ckpt_plugin with its test dependencies.
+# Create .venv/ in the repository root and install ckpt_plugin with one extra: `test` (the default: the test suite's
+# dependencies, every other extra included, redis-server and llama-cpp-python's own tests) or `serve` (what
+# ckpt-serve needs and nothing more; scripts/serve.sh asks for it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The shared tier's tests start their own redis-server (Debian package redis-server).
-if ! command -v redis-server >/dev/null 2>&1; then
+EXTRA="${1:-test}"
+case "$EXTRA" in
+  test|serve) ;;
+  *) echo "setup.sh: unknown extra '$EXTRA': give test (the default) or serve" >&2; exit 2 ;;
+esac
+
+# The shared tier's tests start their own redis-server (Debian package redis-server); serving does not need one.
+if [ "$EXTRA" = test ] && ! command -v redis-server >/dev/null 2>&1; then
   apt-get update
   DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server
 fi
@@ -86,10 +94,10 @@ if [ "$(cat .venv/.llama_cpp_cmake_args 2>/dev/null || true)" != "$CMAKE_ARGS" ]
   .venv/bin/python -m pip install --quiet --force-reinstall --no-deps "$wheel"
   printf '%s' "$CMAKE_ARGS" > .venv/.llama_cpp_cmake_args
 fi
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -e ".[$EXTRA]"
 
 # llama-cpp-python's own test suite runs against the plugin (tests/hosts/test_upstream_suite.py): its sdist, through pip.
-if [ ! -f .cache/upstream/.done ]; then
+if [ "$EXTRA" = test ] && [ ! -f .cache/upstream/.done ]; then
   version="$(.venv/bin/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
   mkdir -p .cache/upstream
   .venv/bin/python -m pip download --quiet --no-deps --no-binary :all: \

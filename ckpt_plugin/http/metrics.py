@@ -33,7 +33,8 @@ COUNTERS = {
                      "ckpt_prompt_tokens_reused_total over its sources)",
     "cache_hits": "Prompts served from a prompt-cache entry: a conversation that had left the slot (a next turn "
                   "served by the slot itself is no cache hit: ckpt_prompt_tokens_reused_total{source=\"slot\"})",
-    "cache_misses": "Prompts that neither the slot nor any cache tier could serve beyond a few tokens",
+    "cache_misses": "Prompts the slot's memory could not serve to their end (a next turn with new text is one) and "
+                    "no cache entry served",
     "cache_saves": "Entries put into the prompt cache",
     "cache_evictions": "Entries evicted for the budget",
     "checkpoints_created": "Checkpoints taken",
