@@ -248,6 +248,12 @@ class ServeSettings(CheckpointSettings):
         64, ge=0, description="With parallel > 1: requests that may wait for a free slot (first come, first served); "
         "a request past them gets 503.",
     )
+    kv_unified: bool = Field(
+        False, description="With parallel > 1: one pool of n_ctx KV cells for all the slots, each able to grow to the "
+        "whole context (llama-server's --kv-unified; -c is then the pool), instead of n_ctx cells per slot. With "
+        "plain attention, a prompt sharing a prefix with another slot's live memory shares its cells, and requests "
+        "arriving together with one new prefix evaluate it once. Ignored with parallel 1.",
+    )
 
     @field_validator("max_body_bytes", mode="before")
     @classmethod

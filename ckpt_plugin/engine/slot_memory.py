@@ -22,7 +22,7 @@ from ckpt_plugin.core.config import CheckpointSettings
 from ckpt_plugin.policy.costs import RAM, CostModel
 from ckpt_plugin.core.errors import CaptureError, OpaqueMemoryError, StateRestoreError
 from ckpt_plugin.policy.eviction import checkpoints_to_erase, slot_checkpoint_limit
-from ckpt_plugin.policy.plan import MemoryKind
+from ckpt_plugin.policy.plan import Candidate, MemoryKind
 from ckpt_plugin.core.slot import Backend, Slot
 
 if TYPE_CHECKING:
@@ -34,21 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckpt_plugin")
 
 
-class CellSource(Protocol):
+class CellSource(Candidate, Protocol):
     """Another live sequence of the same KV cache, offered to the planner (its ``peers``): the tokens its cells hold
     from position 0, which a slot can take over without copying (``llama_memory_seq_cp`` in a unified cache)."""
-
-    @property
-    def tokens(self) -> np.ndarray: ...
-
-    @property
-    def n_tokens(self) -> int: ...
-
-    @property
-    def pos_min(self) -> int: ...
-
-    @property
-    def checkpoints(self) -> Sequence[Checkpoint]: ...
 
     def share_into(self, backend: Backend, n_keep: int) -> bool:
         """Make ``backend``'s sequence hold this sequence's first ``n_keep`` cells (and nothing else); ``False``

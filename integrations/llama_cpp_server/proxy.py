@@ -69,6 +69,7 @@ class CheckpointLlamaProxy(LlamaProxy):
             **settings.model_dump(include=set(CheckpointSettings.model_fields))
         )
         self.n_parallel = settings.parallel
+        self.kv_unified = settings.kv_unified
         self.parallel: ParallelLlama | None = None
         self.managers: dict[str, CheckpointManager] = {}
         self._caches: dict[str, PromptCache] = {}
@@ -118,7 +119,7 @@ class CheckpointLlamaProxy(LlamaProxy):
                                n_ubatch=settings.n_ubatch, n_threads=settings.n_threads)
         if self.n_parallel > 1:
             self.parallel = ParallelLlama(llama, self.n_parallel, self.checkpoint_settings, cache=cache, disk=self._disk,
-                                          draft=draft, n_draft=self.draft_n)
+                                          draft=draft, n_draft=self.draft_n, unified=self.kv_unified)
             self._carry_counts(alias, self.parallel.manager)
             self.managers = {alias: self.parallel.manager}
             return llama

@@ -41,6 +41,8 @@ from ckpt_plugin.tiers.disk import DiskTier
 from ckpt_plugin.core.errors import UnsupportedHostError
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.hosts.llama_cpp.slot_choice import SlotLeases
+from ckpt_plugin.hosts.llama_cpp.kv_sharing import PrefixSharing
+from ckpt_plugin.policy.plan import shares_cells
 from ckpt_plugin.hosts.llama_cpp.slot_drafts import SlotDrafts
 from ckpt_plugin.hosts.llama_cpp.attach import Attachment
 from ckpt_plugin.hosts.llama_cpp.backend import HostRows
@@ -139,6 +141,9 @@ class SlotAttachment(Attachment):
             held = parallel.scheduler.held_until_submitted(self.controller.lock) if parallel.manager.store.in_memory \
                 else contextlib.nullcontext()
             with contextlib.ExitStack() as stack:
+                if parallel.sharing is not None:  # before the hold: a wait for a prefix in flight holds nothing
+                    stack.enter_context(parallel.sharing.flight(slot_id, self.controller.current_namespace(),
+                                                                np.asarray(tokens, dtype=np.int32)))
                 stack.enter_context(parallel.scheduler.generating(slot_id))
                 if parallel.drafts is not None:
                     self.llama.draft_model = stack.enter_context(parallel.drafts.drafting(slot_id))
@@ -179,10 +184,15 @@ class ParallelLlama:
     :param draft: A draft model for speculative decoding (same vocabulary): each slot drafts from its own sequence
         of a draft context (the slots compute the logits rows a verification samples, whatever ``logits_all``).
     :param n_draft: Tokens drafted per step with ``draft``.
+    :param unified: One pool of ``n_ctx`` cells for all the slots (llama.cpp's ``kv_unified``, llama-server's
+        ``--kv-unified``), each slot able to grow to the whole context, instead of a stream of ``n_ctx`` cells per
+        slot; with plain attention, a prompt sharing a prefix with another slot's live memory takes over its cells
+        (:mod:`ckpt_plugin.hosts.llama_cpp.kv_sharing`), and a prefix in flight is evaluated once.
     :ivar manager: The engine, one slot per sequence.
     :ivar leases: Which slot each generation holds.
     :ivar drafts: The slots' draft models (``None`` without ``draft``).
     :ivar lookups: A prompt lookup decoder per slot, where the host's ``draft_model`` is one.
+    :ivar sharing: The cells the slots share (``None`` unless ``unified`` and plain attention).
     :raises UnsupportedHostError: ``llama`` serves embeddings, or has a draft model other than prompt lookup.
     """
 
@@ -196,6 +206,7 @@ class ParallelLlama:
         disk: DiskTier | None = None,
         draft: Llama | None = None,
         n_draft: int = 4,
+        unified: bool = False,
         **overrides: Any,
     ) -> None:
         host_draft = llama.draft_model
@@ -208,12 +219,19 @@ class ParallelLlama:
             raise UnsupportedHostError("embedding contexts have no generation state to checkpoint")
         self.llama = llama
         n_ctx = int(llama.n_ctx())
-        self.context = SequenceContext(llama, n_slots, n_ctx=n_ctx * n_slots, unified=False)
+        self.context = SequenceContext(llama, n_slots, n_ctx=n_ctx if unified else n_ctx * n_slots, unified=unified)
         self.scheduler = BatchScheduler(self.context)
         self.backends = [ViewBackend(self.context, i, self.scheduler, llama) for i in range(n_slots)]
         self.manager = CheckpointManager(self.backends[0], settings, cache=cache, disk=disk,
                                          more_slots=self.backends[1:], **overrides)
         self.leases = SlotLeases(n_slots, self._describe)
+        self.sharing: PrefixSharing | None = None
+        if unified and shares_cells(self.context.kind):
+            self.sharing = PrefixSharing(self.backends, self.manager.counters, self.manager.settings.cache_min_tokens)
+            for controller in self.manager.slots:
+                controller.peers = self.sharing.peers(controller.slot.id)
+        if unified:
+            self.scheduler.make_room = self._make_room
         self.lookups = [copy.copy(host_draft) for _ in range(n_slots)] if host_draft is not None else None
         self.drafts: SlotDrafts | None = None
         if draft is not None:
@@ -234,6 +252,29 @@ class ParallelLlama:
     def _describe(self, slot_id: int) -> tuple[str, np.ndarray]:
         slot = self.manager.slots[slot_id].slot
         return slot.namespace, slot.tokens
+
+    def _make_room(self) -> bool:
+        """Park one idle slot's conversation in the cache and free its cells (the least recently used slot whose
+        lock is free); ``False`` if none could be. On the scheduler's thread, the context held: a slot's lock is only
+        tried, never waited for (its owner may be waiting for this very step)."""
+        for slot_id in self.leases.idle_oldest_first():
+            controller = self.manager.slots[slot_id]
+            if controller.slot.n_tokens == 0 or not controller.lock.acquire(blocking=False):
+                continue
+            try:
+                if self.leases.busy(slot_id) or controller.busy:
+                    continue
+                log.info("slot %d: the pool of KV cells is full; its conversation goes to the cache", slot_id)
+                if controller.slot.n_tokens >= self.manager.settings.cache_min_tokens and not controller.memory.opaque:
+                    try:
+                        controller.memory.save_to_cache()
+                    except Exception:  # the conversation is lost to the cache, not the step to the other slots
+                        log.exception("slot %d: its state could not be parked", slot_id)
+                controller.clear_slot()
+                return True
+            finally:
+                controller.lock.release()
+        return False
 
     def view(self) -> SlotLlama:
         """A view of the ``Llama`` for one request: the host's completion methods, on a slot leased per

@@ -150,6 +150,10 @@ class BatchScheduler:
         self._n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))
         self._logits = np.ctypeslib.as_array(self._batch.logits, shape=(n,))
         self._n_seq_id[:] = 1
+        # Called, the context held, when llama.cpp finds no room for a step's tokens (a pool of cells the slots share,
+        # ParallelLlama(unified=True)): frees the cells of a slot no generation holds and returns True, or False when
+        # there is none left; the step is then tried again (llama.cpp changed nothing).
+        self.make_room: Callable[[], bool] | None = None
         self._thread = threading.Thread(target=self._run, name="ckpt-batch-scheduler", daemon=True)
         self._thread.start()
 
@@ -337,6 +341,8 @@ class BatchScheduler:
             _decoding.add(id(self))
             try:
                 status = int(llama_cpp.llama_decode(context.ctx, batch))
+                while status == 1 and self.make_room is not None and self.make_room():
+                    status = int(llama_cpp.llama_decode(context.ctx, batch))
             finally:
                 _decoding.discard(id(self))
             self.decode_seconds += time.perf_counter() - started

@@ -87,6 +87,12 @@ class SlotLeases:
             self._last_used[slot_id] = next(self._clock)
             return slot_id
 
+    def idle_oldest_first(self) -> list[int]:
+        """The slots no request holds now, least recently used first (a snapshot: one may be leased meanwhile)."""
+        with self._cond:
+            idle = [slot_id for slot_id in range(self.n_slots) if not self._busy[slot_id]]
+            return sorted(idle, key=lambda slot_id: self._last_used[slot_id])
+
     def release(self, slot_id: int) -> None:
         """The request holding ``slot_id`` is done with it."""
         with self._cond:

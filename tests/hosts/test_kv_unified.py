@@ -1,0 +1,114 @@
+"""Parallel slots over one unified KV cache (``ParallelLlama(unified=True)``): one pool of ``n_ctx`` cells, prefixes
+shared between live slots with ``llama_memory_seq_cp`` (plain attention only), prefixes in flight evaluated once;
+every answer equal to the same request on a fresh context at temperature 0."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
+from ckpt_plugin.policy.plan import common_prefix
+
+WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
+
+
+def fresh(plain: Any, text: str, max_tokens: int = 8) -> str:
+    """The answer of a fresh context: the plain ``Llama`` forgets what it evaluated before (its whole memory is
+    evaluated again)."""
+    plain.reset()
+    return plain.create_completion(text, max_tokens=max_tokens, temperature=0.0)["choices"][0]["text"]
+
+
+def served(parallel: ParallelLlama, text: str, max_tokens: int = 8) -> str:
+    view = parallel.view()
+    try:
+        return view.create_completion(text, max_tokens=max_tokens, temperature=0.0)["choices"][0]["text"]
+    finally:
+        view.end_generations()
+
+
+def edited_prompts(n: int, seed: int) -> list[str]:
+    """``n`` prompts around one shared prefix: some continue it, some cut it at a random word and go on
+    elsewhere, some change one word in it, some share nothing."""
+    rng = np.random.default_rng(seed)
+    base = list(rng.choice(WORDS, 100))
+    texts = []
+    for _ in range(n):
+        words = list(base)
+        edit = rng.integers(4)
+        if edit == 1:
+            words = words[: int(rng.integers(10, len(words)))]
+        elif edit == 2:
+            words[int(rng.integers(len(words)))] = str(rng.choice(WORDS))
+        elif edit == 3:
+            words = list(rng.choice(WORDS, 40))
+        texts.append(" ".join(words + list(rng.choice(WORDS, int(rng.integers(1, 12))))))
+    return texts
+
+
+def test_one_pool_of_n_ctx_cells_each_slot_able_to_hold_all_of_it(make_llama: Callable[..., Any]) -> None:
+    host = make_llama("llama")
+    parallel = ParallelLlama(host, 4, unified=True, load_entrypoints=False)
+    try:
+        assert parallel.context.unified
+        assert parallel.context.n_ctx == host.n_ctx()
+        assert all(backend.n_ctx == host.n_ctx() for backend in parallel.backends)
+        assert parallel.sharing is not None
+    finally:
+        parallel.close()
+
+
+def test_sixteen_agents_with_one_long_prompt_hold_it_once(make_llama: Callable[..., Any]) -> None:
+    """Sixteen requests, four slots, one ~350-token tool prompt: it is evaluated once; every other request takes
+    its cells from a live slot (seq_cp), and every answer is a fresh context's."""
+    plain = make_llama("llama")
+    host = make_llama("llama")
+    rng = np.random.default_rng(7)
+    tools = " ".join(rng.choice(WORDS, 75))
+    texts = [f"{tools} user {i} asks {' '.join(rng.choice(WORDS, 3 + i % 5))}" for i in range(16)]
+    expected = [fresh(plain, text) for text in texts]
+    tokenized = [plain.tokenize(text.encode()) for text in texts]
+    prefix = min(common_prefix(np.asarray(tokenized[0]), np.asarray(t)) for t in tokenized)
+    parallel = ParallelLlama(host, 4, unified=True, load_entrypoints=False)
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda text: served(parallel, text), texts))
+        assert got == expected
+        counters = parallel.manager.counters
+        # Prompt tokens evaluated: the shared prefix once, then each request's own suffix (one token at least).
+        evaluated = counters.prompt_tokens - counters.tokens_reused
+        assert evaluated <= prefix + sum(len(t) - prefix for t in tokenized), parallel.manager.stats()
+        assert counters.kv_shares >= 3 and counters.tokens_shared >= 3 * prefix, parallel.manager.stats()
+    finally:
+        parallel.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "mamba", "hybrid"])
+def test_random_shared_and_edited_prefixes_on_concurrent_slots_equal_fresh_contexts(
+        make_llama: Callable[..., Any], kind: str) -> None:
+    """A property over random prompts around one prefix (continued, cut, edited in the middle, unrelated), sent
+    from concurrent clients in two rounds: every answer equals a fresh context's. Plain attention shares cells
+    between slots; the other kinds (a sliding window, recurrent states) refuse to: nothing shared, same answers."""
+    # The three slots busy at once fit the pool together (<= 3 x 540 cells); idle ones are parked when it is full.
+    plain = make_llama(kind, n_ctx=2048)
+    host = make_llama(kind, n_ctx=2048)
+    parallel = ParallelLlama(host, 3, unified=True, load_entrypoints=False)
+    try:
+        for seed in (1, 2):
+            texts = edited_prompts(8, seed)
+            expected = [fresh(plain, text, 6) for text in texts]
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(lambda text: served(parallel, text, 6), texts))
+            assert got == expected, (seed, parallel.manager.stats())
+        counters = parallel.manager.counters
+        if kind == "llama":
+            assert counters.kv_shares > 0, parallel.manager.stats()
+        else:
+            assert parallel.sharing is None
+            assert counters.kv_shares == 0 and counters.prefix_waits == 0
+    finally:
+        parallel.close()
