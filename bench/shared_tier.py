@@ -10,7 +10,9 @@ redis-server where it has one), run one after the other, in ``--rounds`` rounds 
 - ``one``: 1 replica alone (every turn on the replica that served the previous one);
 - ``one-shared``: 1 replica alone with the shared tier (what the tier costs a single replica);
 - ``one-shared-far``: the same with redis-server at the lowest CPU priority (nice 19), standing for a server on
-  another machine: on these 2 cores, storing 21 MB a turn is CPU the replica would otherwise have.
+  another machine: on these 2 cores, storing 21 MB a turn is CPU the replica would otherwise have;
+- ``cluster``: 2 replicas sharing a 3-node Redis Cluster, each given another node's URL, round-robin (with
+  ``shared`` and ``local``: the cluster against one Redis, ``docs/bench-sections/61-shared-cluster.md``).
 
 TTFT (time to the first content chunk of a streamed response) medians over the turns after the first; Redis round
 trips and bytes per request from the replicas' ``ckpt_shared_*`` counters. Goals: moved turns with the shared tier
@@ -29,14 +31,10 @@ import contextlib
 import json
 import os
 import pathlib
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,46 +46,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _common import fmt_bytes, fmt_ratio, markdown_table, ratio  # noqa: E402
 from chat import N_BATCH, N_CTX, N_THREADS, Config, ForeignLoad, Request, _stream, conversation, start  # noqa: E402
 from chat import token_counter  # noqa: E402
+from redis_servers import redis_cluster, redis_server  # noqa: E402  (bench/cost.py takes redis_server from here)
 
 MARKDOWN_PATH = ROOT / "docs" / "bench-sections/60-shared-tier.md"
 DEFAULT_USERS, DEFAULT_TURNS, DEFAULT_ROUNDS, MAX_TOKENS = 3, 4, 3, 16
-CONFIGS = ("shared", "local", "one", "one-shared", "one-shared-far")
+CONFIGS = ("shared", "local", "one", "one-shared", "one-shared-far", "cluster")
+DEFAULT_CONFIGS = CONFIGS[:5]  # the cluster runs on its own: --configs shared,cluster,local
+CLUSTER_MARKDOWN_PATH = ROOT / "docs" / "bench-sections/61-shared-cluster.md"
 GOALS = {"moved_over_same": 1.5, "moved_over_local": 0.25, "unseen_over_local": 0.25, "one_shared_over_one": 1.05,
-         "one_shared_far_over_one": 1.05}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def redis_server(nice: int = 0) -> Iterator[str]:
-    """A fresh redis-server on a free port (no persistence, LRU eviction within 1 GiB) at CPU priority ``nice``;
-    yields its URL."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not on PATH: run scripts/setup.sh")
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="ckpt-bench-redis-") as directory:
-        process = subprocess.Popen(["nice", "-n", str(nice), binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                    "no", "--dir", directory, "--maxmemory", "1gb", "--maxmemory-policy",
-                                    "allkeys-lru"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("redis-server did not start") from None
-                    time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            process.terminate()
-            process.wait(timeout=10)
+         "one_shared_far_over_one": 1.05, "cluster_over_shared": 1.25, "cluster_over_fresh": 0.25}
 
 
 def replica_config(model: str, name: str, redis_url: str | None) -> Config:
@@ -162,11 +129,16 @@ def run_config(name: str, model: str, requests: Sequence[Request], round_index: 
     """Start ``name``'s replicas (and redis-server), send the conversation through its routing, stop them."""
     import openai
 
-    n_replicas = 2 if name in ("shared", "local") else 1
+    n_replicas = 2 if name in ("shared", "local", "cluster") else 1
     outcome = Outcome(name, round_index)
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(redis_server(19 if name.endswith("-far") else 0)) if "shared" in name else None
-        servers = [stack.enter_context(start(replica_config(model, f"{name}-{i}", url))) for i in range(n_replicas)]
+        if name == "cluster":
+            urls: list[str | None] = list(stack.enter_context(redis_cluster(3)))  # replica i: node i's URL
+        else:
+            url = stack.enter_context(redis_server(19 if name.endswith("-far") else 0)) if "shared" in name else None
+            urls = [url] * n_replicas
+        servers = [stack.enter_context(start(replica_config(model, f"{name}-{i}", urls[i])))
+                   for i in range(n_replicas)]
         clients = [openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=900) for s in servers]
         for client in clients:  # load the model's pages before the first timed request
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello"}],
@@ -244,6 +216,10 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     if "shared" in by_config and "local" in by_config:
         ratios["moved_over_local"] = ratio(by_config["shared"]["ttft_moved"], by_config["local"]["ttft_moved"])
         ratios["unseen_over_local"] = ratio(by_config["shared"]["ttft_unseen"], by_config["local"]["ttft_unseen"])
+    if "cluster" in by_config and "shared" in by_config:
+        ratios["cluster_over_shared"] = ratio(by_config["cluster"]["ttft_moved"], by_config["shared"]["ttft_moved"])
+    if "cluster" in by_config and "local" in by_config:
+        ratios["cluster_over_fresh"] = ratio(by_config["cluster"]["ttft_moved"], by_config["local"]["ttft_unseen"])
     for name, key in (("one-shared", "one_shared_over_one"), ("one-shared-far", "one_shared_far_over_one")):
         if name in by_config and "one" in by_config:
             ratios[key] = ratio(by_config[name]["ttft_later"], by_config["one"]["ttft_later"])
@@ -259,6 +235,7 @@ LABELS = {
     "one": "1 replica alone",
     "one-shared": "1 replica alone + shared tier",
     "one-shared-far": "1 replica alone + shared tier, redis-server at nice 19",
+    "cluster": "2 replicas + shared tier on a 3-node Redis Cluster (each given another node's URL), round-robin",
 }
 
 
@@ -286,13 +263,18 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
                        ("moved_over_local", "moved turns, shared tier / moved turns without it (`local`)"),
                        ("unseen_over_local", "... on a replica new to the conversation"),
                        ("one_shared_over_one", "single replica, with / without the shared tier"),
-                       ("one_shared_far_over_one", "... redis-server at nice 19 (as on another machine)")):
+                       ("one_shared_far_over_one", "... redis-server at nice 19 (as on another machine)"),
+                       ("cluster_over_shared", "moved turns, 3-node cluster / one redis-server (`shared`)"),
+                       ("cluster_over_fresh", "moved turns, 3-node cluster / a fresh prompt (moved to a replica new to "
+                        "the conversation without the tier, `local`)")):
         if key in ratios:
             value = ratios[key]
             goal_rows.append([label, fmt_ratio(value), f"<= {GOALS[key]}x",
                               "met" if value <= GOALS[key] else "missed"])
     per_shared = configs.get("shared", {}).get("per_request", {})
     lines = [
+        "## Shared tier on a 3-node Redis Cluster and on one Redis (`bench/shared_tier.py --configs "
+        "shared,cluster,local`)" if "cluster" in configs and "one" not in configs else
         "## Shared tier: replicas behind round-robin routing (`bench/shared_tier.py`)",
         "",
         "Written by `bench/shared_tier.py`; see `docs/shared-tier.md` for the design and `bench/README.md` for how "
@@ -331,6 +313,18 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
             f"{configs['shared']['n_requests']} requests.",
             "",
         ]
+    per_cluster = configs.get("cluster", {}).get("per_request", {})
+    if per_cluster:
+        lines += [
+            f"On the 3-node cluster, a request costs {per_cluster.get('round_trips', 0):.2f} round trips on its own "
+            f"path and {per_cluster.get('write_round_trips', 0):.2f} on the write-behind thread, "
+            f"{fmt_bytes(per_cluster.get('bytes_read', 0))} read and "
+            f"{fmt_bytes(per_cluster.get('bytes_written', 0))} written: the same as on one server. A round trip "
+            "there is one exchange with every node it involves at once (redis-py sends each node its commands, then "
+            "reads the replies): the lookup's two `MGET`s go to the one node of the partition's hash slot, a "
+            "fetch's blobs and a write's to the nodes of their own slots (docs/shared-tier.md).",
+            "",
+        ]
     lines += [
         "How to read it:",
         "",
@@ -365,11 +359,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--users", type=int, default=DEFAULT_USERS, help="users (odd: every later turn moves)")
     parser.add_argument("--turns", type=int, default=DEFAULT_TURNS)
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
-    parser.add_argument("--markdown", type=pathlib.Path, default=MARKDOWN_PATH)
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help="comma-separated subset of " + ",".join(CONFIGS))
+    parser.add_argument("--markdown", type=pathlib.Path, help=f"default: {MARKDOWN_PATH.relative_to(ROOT)}, or "
+                        f"{CLUSTER_MARKDOWN_PATH.relative_to(ROOT)} for a run with the cluster")
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--render", type=pathlib.Path, help="write the markdown of a run saved with --json again")
     args = parser.parse_args(argv)
+    if args.markdown is None:
+        args.markdown = CLUSTER_MARKDOWN_PATH if "cluster" in args.configs.split(",") else MARKDOWN_PATH
     if args.render is not None:
         saved = json.loads(args.render.read_text())
         outcomes = [Outcome(o["config"], o["round"], [Turn(**t) for t in o["turns"]], o["shared"],
@@ -395,7 +393,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     defaults = {"users": DEFAULT_USERS, "turns": DEFAULT_TURNS, "rounds": 1 if args.quick else DEFAULT_ROUNDS}
     given = {"users": args.users, "turns": args.turns, "rounds": rounds}
     command = ".venv/bin/python bench/shared_tier.py" + (" --quick" if args.quick else "") + "".join(
-        f" --{key} {value}" for key, value in given.items() if value != defaults[key])
+        f" --{key} {value}" for key, value in given.items() if value != defaults[key]) + (
+        f" --configs {','.join(chosen)}" if chosen != list(DEFAULT_CONFIGS) else "")
     text = markdown(summary, args.users, args.turns, rounds, command)
     args.markdown.write_text(text)
     if args.json is not None:
