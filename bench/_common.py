@@ -14,6 +14,7 @@ import gc
 import json
 import math
 import pathlib
+import re
 import resource
 import statistics
 import tempfile
@@ -158,6 +159,48 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + " |" for row in cells]
     lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
     return "\n".join(lines)
+
+
+_GOAL = re.compile(r"^(<=|>=|<|>)?\s*(\d[\d,]*(?:\.\d+)?)\s*(%|x|ms|s|B)?(?:\s+\(with plugin\))?$")
+_NUMBER = re.compile(r"(\d[\d,]*(?:\.\d+)?)(?:/(\d+))?")
+
+
+def measured_numbers(value: str, percent: bool = False) -> list[float]:
+    """The numbers a figure's value states for its goal: those before any remark in parentheses, after the last
+    ``->`` (a before -> after pair: the goal is the after's), before `` vs `` (the baseline compared with). A
+    fraction ``a/b`` is one number (in percent where the goal is one)."""
+    text = value.split(" (", 1)[0]
+    text = text.rsplit("->", 1)[-1]
+    text = text.split(" vs ", 1)[0]
+    numbers = []
+    for whole, denominator in _NUMBER.findall(text):
+        number = float(whole.replace(",", ""))
+        if denominator:
+            number = number / float(denominator) * (100.0 if percent else 1.0)
+        numbers.append(number)
+    return numbers
+
+
+def goal_status(value: str, goal: str) -> str:
+    """Whether a figure meets its goal: ``"met"``, ``"missed"``, ``""`` without a goal, or ``"not checked"`` for a
+    goal in words (``flat in the number of entries``) or a value without numbers (``not measured``).
+
+    A goal is a comparison (``<= 1.15``, ``>= 90%``, ``< 0.2 ms``) or a number the value must equal (``0``,
+    ``1.00``: to its decimals); every number the value states for it (:func:`measured_numbers`) must meet it.
+    """
+    goal = goal.strip()
+    if not goal:
+        return ""
+    found = _GOAL.match(goal)
+    numbers = measured_numbers(value, percent=bool(found and found.group(3) == "%"))
+    if found is None or not numbers:
+        return "not checked"
+    operator, bound_text = found.group(1) or "=", found.group(2).replace(",", "")
+    bound = float(bound_text)
+    tolerance = 0.5 * 10 ** -len(bound_text.partition(".")[2])  # "1.00" means 1.00 to two decimals
+    checks = {"<=": lambda n: n <= bound, ">=": lambda n: n >= bound, "<": lambda n: n < bound,
+              ">": lambda n: n > bound, "=": lambda n: abs(n - bound) <= tolerance}
+    return "met" if all(checks[operator](number) for number in numbers) else "missed"
 
 
 @dataclass(frozen=True)

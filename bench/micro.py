@@ -505,10 +505,11 @@ def _add_figures(report: Report, capture: dict[str, Samples], restore: dict[str,
     def r(samples: dict[str, Samples], a: str, b: str) -> str:
         return fmt_ratio(ratio(samples[a].median, samples[b].median))
 
+    # No goal: it was one (<= 1.15) until its baseline was shown to stay in the CPU cache (bench/README.md).
     report.figure("checkpoint create / raw get (partial, preallocated buffer), steady state",
-                  r(capture, "manager.checkpoint() (partial)", "raw get partial, preallocated buffer"), "<= 1.15")
+                  r(capture, "manager.checkpoint() (partial)", "raw get partial, preallocated buffer"))
     report.figure("checkpoint create / raw get, each right after a one-token decode (where a prompt's checkpoints "
-                  "are taken), steady state", r(capture, CREATE_AFTER_DECODE, RAW_AFTER_DECODE), "<= 1.15")
+                  "are taken), steady state", r(capture, CREATE_AFTER_DECODE, RAW_AFTER_DECODE))
     report.figure("checkpoint create / raw get into the pool's recycled buffers (the manager's own work)",
                   r(capture, "manager.checkpoint() (partial)", POOLED))
     report.figure("raw get into the pool's recycled buffers / into one preallocated buffer (the destination's "

@@ -1,13 +1,20 @@
 """Run every benchmark of this directory and write ``docs/benchmarks.md``.
 
 Run: ``.venv/bin/python bench/run_all.py`` (several minutes) or ``--quick`` (fewer repeats); ``--only micro``
-(repeatable) runs a subset; ``--output PATH`` writes elsewhere.
+(repeatable) runs a subset; ``--render`` runs none; ``--output PATH`` writes elsewhere.
+
+Each full run of a benchmark is kept in ``bench/results/<name>.json`` with the commit it measured, so that a run of
+a subset (or none) still writes the whole page: the benchmarks not run keep their latest figures, and the page says
+which commit and date each benchmark's figures are from. Every key figure is checked against its goal
+(:func:`_common.goal_status`); missed goals are marked and listed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
 import pathlib
 import platform
@@ -17,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from _common import Report, fmt_ms, markdown_table
+from _common import Figure, Report, fmt_ms, goal_status, markdown_table
 from micro import thp_setting
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
@@ -26,6 +33,9 @@ OUTPUT = ROOT / "docs" / "benchmarks.md"
 SECTIONS_DIR = ROOT / "docs" / "bench-sections"
 """Sections of long benchmarks run on their own (the soak, the integrations, the shared tier): each writes its markdown
 here, and every regeneration of docs/benchmarks.md includes the latest, in file-name order."""
+RESULTS_DIR = BENCH_DIR / "results"
+"""The latest full run of each benchmark (``<name>.json``), and ``sections.json``: the key figures of the sections of
+``SECTIONS_DIR``, each naming the section it comes from."""
 BENCHES = ("micro", "lookup", "sharing", "branching", "chat", "speculative")
 # chat.py's --json is its raw per-request record; its section for this page comes through --report-json.
 REPORT_FLAG = {"chat": "--report-json"}
@@ -73,6 +83,49 @@ class Section:
     seconds: float
     others_cpu: float
     error: str = ""
+    commit: str = ""  # what the figures measured: the commit, with "+ changes" where ckpt_plugin/ had uncommitted ones
+    started: str = ""  # when the run started (UTC)
+
+    def save(self, directory: pathlib.Path = RESULTS_DIR) -> None:
+        """Keep this run as the benchmark's latest (``directory/<name>.json``)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        data = dataclasses.asdict(self)
+        data["report"] = json.loads(self.report.to_json()) if self.report is not None else None
+        (directory / f"{self.name}.json").write_text(json.dumps(data, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, name: str, directory: pathlib.Path = RESULTS_DIR) -> Section | None:
+        """The benchmark's latest kept run, if any."""
+        path = directory / f"{name}.json"
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        report = Report.from_json(json.dumps(data.pop("report"))) if data.get("report") else None
+        return cls(report=report, **data)
+
+
+@dataclass(frozen=True)
+class SectionFigure:
+    """A key figure of a section of ``SECTIONS_DIR`` (a benchmark run on its own), for the summary."""
+
+    benchmark: str
+    figure: Figure
+    source: str  # the section it comes from
+
+
+def section_figures(directory: pathlib.Path = RESULTS_DIR) -> list[SectionFigure]:
+    """The key figures of ``SECTIONS_DIR``'s sections (``sections.json``: benchmark, figure, value, goal, source)."""
+    path = directory / "sections.json"
+    if not path.exists():
+        return []
+    return [SectionFigure(row["benchmark"], Figure(row["figure"], row["value"], row.get("goal", "")), row["source"])
+            for row in json.loads(path.read_text())]
+
+
+def current_commit() -> str:
+    """HEAD's short hash, with ``+ changes`` where ckpt_plugin/ has uncommitted changes (the figures measured them)."""
+    commit = _git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    return f"{commit} + changes" if _git("status", "--porcelain", "--", "ckpt_plugin") else commit
 
 
 def run_bench(name: str, quick: bool) -> Section:
@@ -89,7 +142,8 @@ def run_bench(name: str, quick: bool) -> Section:
     error = "" if report is not None else f"exit status {done.returncode}\n{done.stderr[-4000:]}"
     if error:
         print(error, file=sys.stderr, flush=True)
-    return Section(name, report, time.perf_counter() - started, share.others, error)
+    return Section(name, report, time.perf_counter() - started, share.others, error, current_commit(),
+                   f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -158,29 +212,45 @@ absolute times grow and the ratios get noisier."""
 
 
 
-def summary(sections: list[Section]) -> str:
-    rows = []
+def _status_cell(status: str) -> str:
+    return "**missed**" if status == "missed" else status
+
+
+def summary(sections: list[Section], extra: list[SectionFigure] | None = None) -> str:
+    """The key figures of every benchmark, each with its goal and whether it is met; then the goals missed."""
+    rows, missed = [], []
+    figures = [(s.name, f) for s in sections if s.report is not None for f in s.report.figures]
+    figures += [(row.benchmark, row.figure) for row in extra or []]
     for section in sections:
         if section.report is None:
-            rows.append([section.name, "FAILED (see below)", "", ""])
-            continue
-        for figure in section.report.figures:
-            rows.append([section.name, figure.name, figure.value, figure.goal])
-    return markdown_table(["benchmark", "figure", "measured (this run)", "goal (bench/README.md)"], rows)
+            rows.append([section.name, "FAILED (see below)", "", "", ""])
+    for benchmark, figure in figures:
+        status = goal_status(figure.value, figure.goal)
+        rows.append([benchmark, figure.name, figure.value, figure.goal, _status_cell(status)])
+        if status == "missed":
+            missed.append(f"- {benchmark}: {figure.name}: {figure.value}, goal {figure.goal}")
+    table = markdown_table(["benchmark", "figure", "measured", "goal (bench/README.md)", "goal met"], rows)
+    if not missed:
+        return table + "\n\nEvery goal checked is met."
+    return "\n\n".join([table, f"### Goals missed ({len(missed)})", "\n".join(missed)])
 
 
-def render(sections: list[Section], command: str, quick: bool, started: datetime.datetime, seconds: float) -> str:
+def render(sections: list[Section], command: str, quick: bool, started: datetime.datetime, seconds: float,
+           extra: list[SectionFigure] | None = None) -> str:
     env_rows = [[k, v.replace("|", "/")] for k, v in environment()]
-    load_rows = [[s.name, fmt_ms(s.seconds), f"{s.others_cpu:.0%}"] for s in sections]
+    load_rows = [[s.name, s.commit or "unknown", s.started or "unknown", fmt_ms(s.seconds), f"{s.others_cpu:.0%}"]
+                 for s in sections]
     parts = [
         INTRO,
         "## This run",
         f"Command: `{command}`{' (quick: fewer repeats)' if quick else ''}; started {started:%Y-%m-%d %H:%M} UTC, "
-        f"took {fmt_ms(seconds)}.",
+        f"took {fmt_ms(seconds)}. Benchmarks not run by it keep their latest figures (`bench/results/`): the table "
+        "below says which commit and run each benchmark's figures are from.",
         markdown_table(["machine / software", "this run"], env_rows),
-        markdown_table(["benchmark", "wall time", "CPU used by other processes"], load_rows),
+        markdown_table(["benchmark", "figures of commit", "run started (UTC)", "wall time",
+                        "CPU used by other processes"], load_rows),
         "## Key figures",
-        summary(sections),
+        summary(sections, extra),
     ]
     for section in sections:
         if section.report is not None:
@@ -194,14 +264,27 @@ def render(sections: list[Section], command: str, quick: bool, started: datetime
 def main() -> int:
     parser = argparse.ArgumentParser(description="Run the benchmarks and write docs/benchmarks.md.")
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--only", action="append", choices=BENCHES, help="run only this benchmark (repeatable)")
+    parser.add_argument("--only", action="append", choices=BENCHES, help="run only this benchmark (repeatable); "
+                        "the others keep their latest figures")
+    parser.add_argument("--render", action="store_true", help="run nothing: write the page from the latest figures")
     parser.add_argument("--output", type=pathlib.Path, default=OUTPUT, help="markdown file to write")
     args = parser.parse_args()
     started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
-    sections = [run_bench(name, args.quick) for name in (args.only or BENCHES)]
+    to_run = () if args.render else tuple(args.only or BENCHES)
+    sections = []
+    for name in BENCHES:
+        if name in to_run:
+            section = run_bench(name, args.quick)
+            if section.report is not None and not args.quick:  # a quick run does not replace a full one
+                section.save()
+        else:
+            section = Section.load(name)
+        if section is not None:
+            sections.append(section)
     command = " ".join([".venv/bin/python", "bench/run_all.py", *sys.argv[1:]])
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(render(sections, command, args.quick, started, time.perf_counter() - t0))
+    args.output.write_text(render(sections, command, args.quick, started, time.perf_counter() - t0,
+                                  section_figures()))
     print(f"wrote {args.output}")
     return 1 if any(s.report is None for s in sections) else 0
 
