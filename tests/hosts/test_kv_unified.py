@@ -4,6 +4,7 @@ every answer equal to the same request on a fresh context at temperature 0."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -110,5 +111,36 @@ def test_random_shared_and_edited_prefixes_on_concurrent_slots_equal_fresh_conte
         else:
             assert parallel.sharing is None
             assert counters.kv_shares == 0 and counters.prefix_waits == 0
+    finally:
+        parallel.close()
+
+
+def test_requests_arriving_with_one_new_prefix_evaluate_it_once(make_llama: Callable[..., Any]) -> None:
+    """Four requests with the same new prefix, all leased before any step runs (the test holds the context): one
+    evaluates the prefix, the three others wait for it (``prefix_waits``) and share its cells."""
+    plain = make_llama("llama")
+    host = make_llama("llama")
+    rng = np.random.default_rng(11)
+    prefix_text = " ".join(rng.choice(WORDS, 70))
+    texts = [f"{prefix_text} question {i}" for i in range(4)]
+    expected = [fresh(plain, text) for text in texts]
+    tokenized = [np.asarray(plain.tokenize(text.encode())) for text in texts]
+    prefix = min(common_prefix(tokenized[0], t) for t in tokenized)
+    parallel = ParallelLlama(host, 4, unified=True, load_entrypoints=False)
+    counters = parallel.manager.counters
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            with parallel.context.lock:  # no step, no prepare, until every request has leased its slot
+                futures = [pool.submit(served, parallel, text) for text in texts]
+                for _ in range(2000):
+                    if counters.prefix_waits == 3:
+                        break
+                    threading.Event().wait(0.01)
+            got = [future.result() for future in futures]
+        assert got == expected
+        assert counters.prefix_waits == 3
+        assert counters.kv_shares == 3 and counters.tokens_shared >= 3 * prefix, parallel.manager.stats()
+        evaluated = counters.prompt_tokens - counters.tokens_reused
+        assert evaluated <= prefix + sum(len(t) - prefix for t in tokenized), parallel.manager.stats()
     finally:
         parallel.close()
