@@ -32,6 +32,12 @@ def served(parallel: ParallelLlama, text: str, max_tokens: int = 8) -> str:
         view.end_generations()
 
 
+def references(plain: Any, texts: list[str]) -> tuple[list[str], list[np.ndarray], int]:
+    """Fresh contexts' answers to ``texts``, their tokens, and the prefix all of them share."""
+    tokenized = [np.asarray(plain.tokenize(text.encode())) for text in texts]
+    return [fresh(plain, text) for text in texts], tokenized, min(common_prefix(tokenized[0], t) for t in tokenized)
+
+
 def edited_prompts(n: int, seed: int) -> list[str]:
     """``n`` prompts around one shared prefix: some continue it, some cut it at a random word and go on
     elsewhere, some change one word in it, some share nothing."""
@@ -71,9 +77,7 @@ def test_sixteen_agents_with_one_long_prompt_hold_it_once(make_llama: Callable[.
     rng = np.random.default_rng(7)
     tools = " ".join(rng.choice(WORDS, 75))
     texts = [f"{tools} user {i} asks {' '.join(rng.choice(WORDS, 3 + i % 5))}" for i in range(16)]
-    expected = [fresh(plain, text) for text in texts]
-    tokenized = [plain.tokenize(text.encode()) for text in texts]
-    prefix = min(common_prefix(np.asarray(tokenized[0]), np.asarray(t)) for t in tokenized)
+    expected, tokenized, prefix = references(plain, texts)
     parallel = ParallelLlama(host, 4, unified=True, load_entrypoints=False)
     try:
         with ThreadPoolExecutor(16) as pool:
@@ -123,9 +127,7 @@ def test_requests_arriving_with_one_new_prefix_evaluate_it_once(make_llama: Call
     rng = np.random.default_rng(11)
     prefix_text = " ".join(rng.choice(WORDS, 70))
     texts = [f"{prefix_text} question {i}" for i in range(4)]
-    expected = [fresh(plain, text) for text in texts]
-    tokenized = [np.asarray(plain.tokenize(text.encode())) for text in texts]
-    prefix = min(common_prefix(tokenized[0], t) for t in tokenized)
+    expected, tokenized, prefix = references(plain, texts)
     parallel = ParallelLlama(host, 4, unified=True, load_entrypoints=False)
     counters = parallel.manager.counters
     try:
