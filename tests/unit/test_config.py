@@ -79,3 +79,21 @@ def test_flash_attention_is_on_unless_flag_environment_or_file_says_otherwise(
     assert [m.flash_attn for m in load_settings(["--config_file", str(config)])[1]] == [False, True]
     monkeypatch.setenv("FLASH_ATTN", "false")
     assert load_settings(["--model", str(model)])[1][0].flash_attn is False
+
+
+def test_an_explicit_plugin_budget_beats_the_host_cache_size(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/configuration.md, "Precedence": --cache-max-bytes (flag, config key or variable), when given, replaces
+    llama_cpp.server's --cache_size; without it, --cache_size keeps its meaning."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    host = ["--model", str(model), "--cache", "true", "--cache_size", "536870912"]
+    assert load_settings([*host, "--cache-max-bytes", "1GiB"])[1][0].cache_size == 1 << 30
+    assert load_settings([*host, "--checkpoint-budget", "1GiB"])[1][0].cache_size == 1 << 30
+    assert load_settings(host)[1][0].cache_size == 536870912
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"models": [{"model": str(model), "cache": True, "cache_size": 536870912}],
+                                  "checkpoints": {"cache_max_bytes": "256MiB"}}))
+    assert load_settings(["--config_file", str(config)])[1][0].cache_size == 256 << 20
+    monkeypatch.setenv("CKPT_CACHE_MAX_BYTES", "128MiB")
+    assert load_settings(host)[1][0].cache_size == 128 << 20
+    assert load_settings([*host, "--cache-max-bytes", "1GiB"])[1][0].cache_size == 1 << 30  # the flag over its variable
