@@ -242,7 +242,8 @@ class ServeSettings(CheckpointSettings):
     )
     parallel: int = Field(
         1, ge=1, le=256, description="Slots: conversations served at once over one model context, their tokens "
-        "decoded in shared batches, each slot holding a whole n_ctx. 1: one request at a time, as the host serves.",
+        "decoded in shared batches, each slot holding a whole n_ctx (with kv_unified, one pool of n_ctx cells). 1: one "
+        "request at a time, as the host serves.",
     )
     max_queued: int = Field(
         64, ge=0, description="With parallel > 1: requests that may wait for a free slot (first come, first served); "

@@ -5,7 +5,8 @@
 - a :class:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceContext` with N sequences, each in a KV stream of its
   own of ``n_ctx`` cells (llama.cpp's server's layout with ``--parallel``): every slot holds a whole ``n_ctx``
   conversation (a request that fits one slot fits any, as with one), and a token attends over its own slot's cells
-  only;
+  only; or, with ``unified=True``, one pool of ``n_ctx`` cells the slots share, where a slot takes a prefix another
+  live slot holds without evaluating it (:mod:`ckpt_plugin.hosts.llama_cpp.kv_sharing`);
 - a :class:`~ckpt_plugin.hosts.llama_cpp.scheduler.BatchScheduler` decoding every busy slot's tokens together;
 - one engine (:class:`~ckpt_plugin.engine.manager.CheckpointManager`) with one slot per sequence: checkpoints and cache
   entries are shared by reference between the slots and the tiers, so a conversation that moves to another slot
