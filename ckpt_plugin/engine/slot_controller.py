@@ -27,7 +27,7 @@ from ckpt_plugin.core.slot import Backend, Slot
 from ckpt_plugin.tiers.cost_probes import CostProbe, live_keep
 from ckpt_plugin.policy.costs import PlanClock
 from ckpt_plugin.core.errors import StateRestoreError
-from ckpt_plugin.policy.plan import LiveMemory, MemoryKind, Plan, keep_limit, plan_prompt, swa_threshold
+from ckpt_plugin.policy.plan import LiveMemory, MemoryKind, Plan, keep_limit, plan_prompt
 from ckpt_plugin.policy.schedule import CheckpointRules, branch_point, pause_points
 from ckpt_plugin.core.counters import TIER_SOURCES
 from ckpt_plugin.core.request import RequestInterrupted, current_request
@@ -276,8 +276,8 @@ class SlotController:
                           self.slot.id)
                 plan, window = self._settle(prompt, max_keep)
                 continue
-            self._apply(plan)
-            if self._window_serves(plan.n_keep):
+            self.memory.apply(plan)
+            if self.memory.window_serves(plan.n_keep):
                 return plan
             log.info("slot %d: another sequence took cells of its window before the cut to %d tokens; clearing it",
                      self.slot.id, plan.n_keep)
@@ -285,38 +285,6 @@ class SlotController:
             if attempt < _WINDOW_ATTEMPTS:
                 plan, window = self._settle(prompt, max_keep)
         raise StateRestoreError(f"the window of slot {self.slot.id} kept moving under its plans; the slot was cleared")
-
-    def _window_serves(self, n_keep: int) -> bool:
-        """Whether the memory, cut to ``n_keep`` tokens, holds the window the token at ``n_keep`` sees (-1: the cut
-        left nothing of a window taken past it)."""
-        if not self.kind.swa or n_keep == 0:
-            return True
-        return 0 <= int(self.backend.pos_min()) <= swa_threshold(self.kind, n_keep)
-
-    def _apply(self, plan: Plan[CacheEntry]) -> None:
-        """Make the memory hold ``plan.n_keep`` tokens: truncate, or restore the entry and/or a checkpoint."""
-        memory, slot, entry, n_keep = self.memory, self.slot, plan.entry, plan.n_keep
-        if not plan.needs_restore:
-            if n_keep < slot.n_tokens:
-                memory.cut(n_keep)
-            return
-        if plan.share is not None:
-            memory.share(plan.share, n_keep)
-            return
-        started = time.perf_counter()
-        if entry is not None:
-            self.counters.add(cache_hits=1)
-            self.hooks.call(self.hooks.hook.on_cache_hit, slot=slot, entry=entry, n_tokens=n_keep)
-            if plan.restore_state:
-                memory.restore(entry.state)
-            self.store.touch(entry)
-        if plan.checkpoint is not None:
-            memory.restore(plan.checkpoint)
-            self.counters.add(checkpoints_restored=1)
-        memory.cut(n_keep)
-        if entry is not None:
-            memory.adopt(entry.tokens, entry.checkpoints, n_keep)
-        memory.restored(time.perf_counter() - started, plan.checkpoint, entry)
 
     def process(self, tokens: Sequence[int] | np.ndarray, prompt_end: int | None = None) -> None:
         """Evaluate ``tokens`` after the slot's end, pausing where checkpoints may be taken.

@@ -22,7 +22,7 @@ from ckpt_plugin.core.config import CheckpointSettings
 from ckpt_plugin.policy.costs import RAM, CostModel
 from ckpt_plugin.core.errors import CaptureError, OpaqueMemoryError, StateRestoreError
 from ckpt_plugin.policy.eviction import checkpoints_to_erase, slot_checkpoint_limit
-from ckpt_plugin.policy.plan import Candidate, MemoryKind
+from ckpt_plugin.policy.plan import Candidate, MemoryKind, Plan, swa_threshold
 from ckpt_plugin.core.slot import Backend, Slot
 
 if TYPE_CHECKING:
@@ -317,3 +317,36 @@ class SlotMemory:
         self.counters.add(restore_seconds=seconds)
         self.hooks.call(self.hooks.hook.on_slot_restore, slot=self.slot, checkpoint=checkpoint, entry=entry,
                         n_tokens=self.slot.n_tokens)
+
+    def window_serves(self, n_keep: int) -> bool:
+        """Whether the memory, cut to ``n_keep`` tokens, holds the window the token at ``n_keep`` sees (-1: the cut
+        left nothing of a window taken past it)."""
+        if not self.kind.swa or n_keep == 0:
+            return True
+        return 0 <= int(self.backend.pos_min()) <= swa_threshold(self.kind, n_keep)
+
+    def apply(self, plan: Plan[CacheEntry]) -> None:
+        """Make the memory hold ``plan.n_keep`` tokens: truncate, take another sequence's cells, or restore the
+        entry and/or a checkpoint (counted, timed, and told to the plugins)."""
+        memory, slot, entry, n_keep = self, self.slot, plan.entry, plan.n_keep
+        if not plan.needs_restore:
+            if n_keep < slot.n_tokens:
+                memory.cut(n_keep)
+            return
+        if plan.share is not None:
+            memory.share(plan.share, n_keep)
+            return
+        started = time.perf_counter()
+        if entry is not None:
+            self.counters.add(cache_hits=1)
+            self.hooks.call(self.hooks.hook.on_cache_hit, slot=slot, entry=entry, n_tokens=n_keep)
+            if plan.restore_state:
+                memory.restore(entry.state)
+            self.store.touch(entry)
+        if plan.checkpoint is not None:
+            memory.restore(plan.checkpoint)
+            self.counters.add(checkpoints_restored=1)
+        memory.cut(n_keep)
+        if entry is not None:
+            memory.adopt(entry.tokens, entry.checkpoints, n_keep)
+        memory.restored(time.perf_counter() - started, plan.checkpoint, entry)
