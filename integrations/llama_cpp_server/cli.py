@@ -492,8 +492,8 @@ def _load_failure(models: list[ModelSettings], exc: Exception) -> str | None:
     network, no such repository or file).
     """
     if isinstance(exc, ValueError) and str(exc).startswith("Failed to load model from file"):
-        return (f"llama.cpp could not load {models[0].model}: not a model it supports, or a damaged file "
-                f"({_log_hint(models)})")
+        return (f"llama.cpp could not load {models[0].model}: not a model it supports, or a truncated or damaged "
+                f"file ({_log_hint(models)})")
     if isinstance(exc, ValueError) and str(exc).startswith("Failed to create llama_context"):
         return (f"llama.cpp could not create a context of {models[0].n_ctx} tokens for {models[0].model} "
                 f"({_log_hint(models)}; a smaller --n_ctx needs less memory)")

@@ -171,8 +171,8 @@ def test_a_truncated_gguf_is_one_line_and_exit_2(tiny_model: Callable[[str], pat
         done = subprocess.run([*SERVE, "--model", str(truncated)], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2
         assert done.stderr.splitlines() == [
-            f"ckpt-serve: --model: {truncated} is a truncated or damaged GGUF file ({cut:,} bytes; its header or "
-            "tensor data ends early): download or copy it again"
+            f"ckpt-serve: llama.cpp could not load {truncated}: not a model it supports, or a truncated or damaged "
+            "file (--verbose true shows llama.cpp's log, which says why)"
         ]
 
 
