@@ -49,17 +49,22 @@ class LivePrefix:
 
     @property
     def n_tokens(self) -> int:
+        """Every published token is held."""
         return len(self.tokens)
 
     @property
     def pos_min(self) -> int:
+        """Plain attention: the cells reach back to position 0."""
         return 0
 
     @property
     def checkpoints(self) -> Sequence[Checkpoint]:
+        """None: the cells themselves are shared."""
         return ()
 
     def share_into(self, backend: Backend, n_keep: int) -> bool:
+        """Make ``backend`` (a sequence of the same context) hold these cells' first ``n_keep``; ``False`` if the
+        source no longer holds them."""
         if not isinstance(backend, SequenceBackend) or backend.context is not self.source.context:
             return False
         return backend.share_prefix(self.source, self.tokens, n_keep)
