@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from support.redis_cluster import RedisCluster, run_cluster
+from support.redis_cluster import run_cluster
 from support.servers import Server, model_args, run_server
 from support.shared_chat import SYSTEMS, USERS, cached, chat, content, served, shared_args
 
@@ -21,7 +21,9 @@ def deployment(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
     path = tiny_model("llama")
     with run_cluster(tmp_path_factory.mktemp("cluster")) as cluster:
         urls = [f"redis://127.0.0.1:{node.port}" for node in cluster.nodes[:2]]
-        with run_server(shared_args(path, urls[0], "cl")) as a, run_server(shared_args(path, urls[1], "cl")) as b, \
+        # a generous timeout: on a busy machine a timed-out read is a miss the assertions would not expect
+        a_args, b_args = (shared_args(path, url, "cl", "--checkpoint-redis-timeout", "2") for url in urls)
+        with run_server(a_args) as a, run_server(b_args) as b, \
                 run_server(model_args(path, flash_attn="false"), plain=True) as plain:
             yield cluster, a, b, plain
 
@@ -41,6 +43,15 @@ def moved_turns(a: Server, b: Server, plain: Server, name: str, turns: int = 3, 
     return shares
 
 
+def quiet(*replicas: Server, timeout: float = 20.0) -> None:
+    """Wait until no write is queued on ``replicas``: a turn's wait for its own write counts writes, and one left
+    from a turn that did not wait would pass for it."""
+    deadline = time.monotonic() + timeout
+    while any(replica.metric("shared_queue_depth") for replica in replicas):
+        assert time.monotonic() < deadline, "writes still queued"
+        time.sleep(0.05)
+
+
 def test_replicas_on_a_cluster_resume_each_others_conversations(deployment: Any) -> None:
     cluster, a, b, plain = deployment
     for name in ("first", "second"):
@@ -48,9 +59,12 @@ def test_replicas_on_a_cluster_resume_each_others_conversations(deployment: Any)
         assert min(shares) >= 0.8, shares
     assert a.metric("shared_errors_total") == b.metric("shared_errors_total") == 0
     assert a.metric("shared_hits_total") + b.metric("shared_hits_total") >= 4
-    # the states are on every node; a partition's index and manifests on one
+    # the states spread over the nodes (each blob in the slot of its digest: with the dozen or so of these short
+    # conversations, a node may by chance hold none; tests/unit/test_shared_cluster.py counts more); a partition's
+    # index and manifests are on one node
     keys = cluster.keys("cl*")
-    assert all(any(b":b:" in key for key in found) for found in keys.values()), {p: len(k) for p, k in keys.items()}
+    holding = sum(1 for found in keys.values() if any(b":b:" in key for key in found))
+    assert holding >= 2, {port: len(found) for port, found in keys.items()}
     assert sum(1 for found in keys.values() if any(b"}:e:" in key for key in found)) == 1
 
 
@@ -76,6 +90,7 @@ def test_a_node_killed_mid_conversation_costs_misses_only(deployment: Any) -> No
     finally:
         victim.start()
     cluster.wait_ok()
+    quiet(a, b)
     # back by themselves: the probes find the node, and moved turns are served from the cluster again
     deadline = time.monotonic() + 20
     while True:
@@ -88,6 +103,7 @@ def test_a_node_killed_mid_conversation_costs_misses_only(deployment: Any) -> No
 
 def test_slots_moving_while_serving_cost_misses_only(deployment: Any) -> None:
     cluster, a, b, plain = deployment
+    moved_turns(a, b, plain, "before-moving", turns=2)
     partition_node = next(node for node, found in zip(cluster.nodes, cluster.keys("cl*").values())
                           if any(b"}:e:" in key for key in found))
     target = next(node for node in cluster.nodes if node is not partition_node)
@@ -109,5 +125,6 @@ def test_slots_moving_while_serving_cost_misses_only(deployment: Any) -> None:
     mover.join()
     assert not failures, failures
     cluster.wait_ok()
+    quiet(a, b)
     shares = moved_turns(a, b, plain, "moved", turns=3)
     assert min(shares) >= 0.8, shares

@@ -63,6 +63,8 @@ class SharedServer:
         self._lock = threading.Lock()
         # Failed nodes (SERVER: the server, or the URL's node before the first connection) -> since when.
         self._down: dict[str, float] = {}
+        self._suspects: set[str] = set()  # nodes of a failed command sent to several; see failed()
+        self._rechecking = False
         self._partitions: dict[tuple[str, str, str, bool], Partition] = {}
 
     # -------------------------------------------------------------------------------------------------------------
@@ -105,6 +107,7 @@ class SharedServer:
             self.reader, self.writer = made
             self.cluster = cluster
             self._down.clear()
+            self._suspects.clear()
         for client in old:
             if client is not None:
                 client.close()
@@ -135,7 +138,13 @@ class SharedServer:
     def up(self) -> bool:
         """Whether every node answers (``False`` from a node's failure until a probe answers)."""
         with self._lock:
-            return not self._down and self.reader is not None
+            return not self._down and not self._suspects and self.reader is not None
+
+    @property
+    def failed_nodes(self) -> list[str]:
+        """The nodes left alone until a probe answers (``"server"`` for a single server)."""
+        with self._lock:
+            return sorted(self._down)
 
     def nodes_of(self, keys: Iterable[str]) -> set[str]:
         """The nodes serving ``keys`` (as far as the client knows)."""
@@ -150,38 +159,73 @@ class SharedServer:
         with self._lock:
             if SERVER in self._down or self.reader is None:
                 return False
-            if not self._down:
+            if not self._down and not self._suspects:
                 return True
-        return not (self.nodes_of(keys) & self._down.keys())
+            avoid = self._down.keys() | self._suspects
+        return not (self.nodes_of(keys) & avoid)
 
     def failed(self, what: str, exc: BaseException, keys: Iterable[str] = ()) -> None:
-        """Count a failure; the nodes serving ``keys`` (every node of a standalone server) are left alone until a
-        probe answers if it is a fault of theirs."""
+        """Count a failure; if it is a fault of the nodes serving ``keys`` (of the server, for a single one), leave
+        them alone until a probe answers.
+
+        redis-py does not say which node of a command sent to several failed: when several are involved, they are
+        suspects, avoided until a probe (on the write-behind thread, at once) finds which of them do not answer.
+        """
         self.tally.add(errors=1)
         if not isinstance(exc, self.node_faults):
             log.warning("shared tier %s: %s failed: %s", self.url, what, exc)
             return
-        try:
-            nodes = self.nodes_of(keys) if self.cluster else {SERVER}
-        except Exception:  # the client's slot map is not there yet: wait for the probe of every node
+        if not self.cluster:
             nodes = {SERVER}
-        if self.cluster and not nodes:
-            nodes = {SERVER}
-        now = time.monotonic()
+        else:
+            try:
+                nodes = self.nodes_of(keys)
+            except Exception:  # no slot map yet: nothing to pin it on
+                nodes = set()
+            if not nodes:  # a command of every node (SCAN): the next requests find the node that fails
+                log.warning("shared tier %s: %s failed: %s", self.url, what, exc)
+                return
         with self._lock:
-            new = sorted(node for node in nodes if node not in self._down)
-            for node in new:
-                self._down[node] = now
-        if new:
-            log.warning("shared tier %s unavailable%s (%s: %s); serving from the local tiers, probing every %.1f s",
-                        self.url, "" if new == [SERVER] else f" on {', '.join(new)}", what, exc, self.retry)
+            fresh = nodes - self._down.keys() - self._suspects
+            if len(nodes) > 1:
+                self._suspects |= fresh
+            else:
+                for node in fresh:
+                    self._down[node] = time.monotonic()
+        if fresh and len(nodes) > 1:
+            self.recheck()
+        elif fresh:
+            self._warn_down(fresh.pop(), f"{what}: {exc}")
+
+    def recheck(self) -> None:
+        """Probe the suspects now, on a thread of its own: not on the request path, and not behind the writes
+        queued on the write-behind thread (whose idle probe comes only every ``retry`` seconds)."""
+        with self._lock:
+            if self._rechecking:
+                return
+            self._rechecking = True
+
+        def run() -> None:
+            try:
+                self.probe()
+            except Exception:  # a probe's failure must not escape into a thread nobody joins
+                log.exception("shared tier %s: probe failed", self.url)
+            finally:
+                with self._lock:
+                    self._rechecking = False
+
+        threading.Thread(target=run, name="ckpt-shared-recheck", daemon=True).start()
+
+    def _warn_down(self, node: str, why: str) -> None:
+        log.warning("shared tier %s unavailable%s (%s); serving from the local tiers, probing every %.1f s",
+                    self.url, "" if node == SERVER else f" on {node}", why, self.retry)
 
     def probe(self) -> None:
-        """Ask each failed node (or the server, or, before the first connection, the URL) whether it answers
-        again; a node that answers is used again, with fresh connections."""
+        """Ask each failed or suspect node (or the server, or, before the first connection, the URL) whether it
+        answers; a failed node that answers is used again, with fresh connections."""
         with self._lock:
-            down = list(self._down)
-        if not down and self.reader is not None:
+            down, suspects = list(self._down), list(self._suspects)
+        if not down and not suspects and self.reader is not None:
             return
         if SERVER in down or self.reader is None:
             try:
@@ -190,12 +234,21 @@ class SharedServer:
                 return
             log.warning("shared tier %s reachable again", self.url)
             return
-        for name in down:
+        for name in suspects + down:
             node = self.reader.get_node(node_name=name)
             try:
                 if node is not None:  # gone from the slot map (failed over): nothing to wait for
                     self.reader.ping(target_nodes=node)
-            except self.errors:
+            except self.errors as exc:
+                if name in suspects:
+                    with self._lock:
+                        self._suspects.discard(name)
+                        self._down[name] = time.monotonic()
+                    self._warn_down(name, f"probe: {exc}")
+                continue
+            if name in suspects:
+                with self._lock:
+                    self._suspects.discard(name)
                 continue
             # Connections made before the outage are dead: drop them rather than fail one request on each.
             for client in (self.reader, self.writer):

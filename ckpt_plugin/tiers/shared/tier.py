@@ -288,7 +288,7 @@ class SharedTier:
         """Counters, gauges and latency histograms (read-only snapshot)."""
         out: dict[str, Any] = self._tally.snapshot()
         out["write_drops"] += self._queue.drops  # dropped from a full queue, besides those refused while down
-        out.update(available=int(self.available), queue_depth=self.queue_depth, url=self.url,
+        out.update(available=int(self.available), failed_nodes=self.server.failed_nodes, queue_depth=self.queue_depth, url=self.url,
                    lookup_seconds=histogram_snapshot(self.lookup_histogram),
                    fetch_seconds=histogram_snapshot(self.fetch_histogram))
         return out
