@@ -253,7 +253,7 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
             f"{figures['cached_later']:.0f} / {figures['prompt_later']:.0f}",
             f"{per.get('round_trips', 0):.2f} + {per.get('write_round_trips', 0):.2f}" if per else "-",
             f"{fmt_bytes(per.get('bytes_read', 0))} / {fmt_bytes(per.get('bytes_written', 0))}" if per else "-",
-            f"{summary['same_answers'][name]}/{figures['n_requests']}",
+            f"{summary['same_answers'][name]}/{figures['n_requests']}" if "one" in configs else "-",
             " / ".join(_milliseconds(figures["mean_seconds"][key]) for key in ("shared_lookup", "shared_fetch",
                                                                                  "restore")),
             f"{figures['foreign_cores']:.2f}",
@@ -315,14 +315,19 @@ def markdown(summary: dict[str, Any], users: int, turns: int, rounds: int, comma
         ]
     per_cluster = configs.get("cluster", {}).get("per_request", {})
     if per_cluster:
+        n_cluster = configs["cluster"]["n_requests"]
         lines += [
             f"On the 3-node cluster, a request costs {per_cluster.get('round_trips', 0):.2f} round trips on its own "
             f"path and {per_cluster.get('write_round_trips', 0):.2f} on the write-behind thread, "
             f"{fmt_bytes(per_cluster.get('bytes_read', 0))} read and "
-            f"{fmt_bytes(per_cluster.get('bytes_written', 0))} written: the same as on one server. A round trip "
-            "there is one exchange with every node it involves at once (redis-py sends each node its commands, then "
-            "reads the replies): the lookup's two `MGET`s go to the one node of the partition's hash slot, a "
-            "fetch's blobs and a write's to the nodes of their own slots (docs/shared-tier.md).",
+            f"{fmt_bytes(per_cluster.get('bytes_written', 0))} written; shared-tier hits: "
+            f"{per_cluster.get('hits', 0) * n_cluster:.0f} of {n_cluster} requests. A round trip there is one "
+            "exchange with every node it involves at once (redis-py sends each node its commands, then reads the "
+            "replies): the lookup's two `MGET`s go to the one node of the partition's hash slot, a fetch's blobs "
+            "and a write's to the nodes of their own slots (docs/shared-tier.md). A moved turn restores the user's turn "
+            "before last from the replica's own memory when the previous turn's entry is not stored yet, or when "
+            "the planner, by the fetch rate it measured, finds evaluating the difference cheaper than the fetch: "
+            "fewer hits and bytes read, and that turn evaluates two turns' tokens.",
             "",
         ]
     lines += [
