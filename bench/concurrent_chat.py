@@ -11,7 +11,10 @@ replies equal those of the same server with one slot in the first round (ckpt-se
 Servers (same model, same settings): ckpt-serve ``--parallel 1`` and ``--parallel 4`` (both with
 ``--interrupt_requests false``: the host's default cuts a running stream short when the next request arrives);
 ``llama_cpp.server --interrupt_requests false`` (``--host-alone``); C++ ``llama-server -np 4`` and ``-np 1`` when an
-executable of that name is on ``PATH``.
+executable of that name is on ``PATH``; ckpt-serve ``--parallel 4 --kv-unified true`` with ``--kv-unified``, its
+pool the same number of cells as ``--parallel 4``'s streams (``--n_ctx`` four times as large); ``--servers p4,p4u``
+runs only those. ``--shared-system N``: every user gets one N-token system prompt (a tool list shared by agents)
+instead of one of its own. Peak resident memory: ``VmHWM`` of the server process after the run.
 
 Run: ``.venv/bin/python bench/chat.py --concurrent 8,16`` (or this file: ``--users 8,16``, ``--turns 3``,
 ``--repeats 2``, ``--markdown OUT``, ``--report-json OUT``).
@@ -63,13 +66,15 @@ class Outcome:
     users: int
     wall: float = 0.0
     turns: list[Turn] = field(default_factory=list)
+    peak_rss: int = 0
+    state_bytes: int = 0
 
     @property
     def later_ttfts(self) -> list[float]:
         return sorted(t.ttft for t in self.turns if t.turn > 0 and t.ttft is not None)
 
 
-def servers(model: str, host_alone: bool, fixed: bool = False) -> list[Config]:
+def servers(model: str, host_alone: bool, fixed: bool = False, unified: int = 0) -> list[Config]:
     python = sys.executable
     settings = ["--model", model, "--n_ctx", str(N_CTX), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
                 "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS), "--seed", "0",
@@ -78,9 +83,13 @@ def servers(model: str, host_alone: bool, fixed: bool = False) -> list[Config]:
     # (llama-server gets the same through bench/transcript.jinja); with fixed replies, a format without stop strings
     # (bench/alpaca.jinja).
     chat_format, template = ("alpaca", "alpaca.jinja") if fixed else (TRANSCRIPT_FORMAT, "transcript.jinja")
-    ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings, "--chat_format", chat_format]
+    ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings, "--chat_format", chat_format,
+            "--admin", "true"]  # /checkpoints/stats: the states held at the end
     out = [Config("p1", "ckpt-serve --parallel 1", [*ours, "--parallel", "1"], ckpt=True),
            Config("p4", "ckpt-serve --parallel 4", [*ours, "--parallel", "4"], ckpt=True)]
+    if unified:  # one pool of ``unified`` cells: --n_ctx is the pool's size
+        pooled = [*ours, "--parallel", "4", "--kv-unified", "true", "--n_ctx", str(unified)]
+        out.append(Config("p4u", f"ckpt-serve --parallel 4 --kv-unified --n_ctx {unified}", pooled, ckpt=True))
     if host_alone:
         out.append(Config("host", "llama_cpp.server", [python, "-m", "llama_cpp.server", *settings]))
     binary = shutil.which("llama-server")
@@ -93,11 +102,13 @@ def servers(model: str, host_alone: bool, fixed: bool = False) -> list[Config]:
     return out
 
 
-def conversations(users: int, turns: int, count: Any) -> list[list[list[dict[str, str]]]]:
-    """Per user, the messages of each turn (fixed assistant replies, so every server sees the same prompts)."""
+def conversations(users: int, turns: int, count: Any, shared_system: int = 0) -> list[list[list[dict[str, str]]]]:
+    """Per user, the messages of each turn (fixed assistant replies, so every server sees the same prompts); with
+    ``shared_system``, every user's system prompt is one of that many tokens."""
     out = []
     for user in range(users):
-        history = [{"role": "system", "content": system_prompt(user, SYSTEM_TOKENS, count)}]
+        system = system_prompt(0, shared_system, count) if shared_system else system_prompt(user, SYSTEM_TOKENS, count)
+        history = [{"role": "system", "content": system}]
         per_turn = []
         for turn in range(turns):
             history.append({"role": "user", "content": USER_MESSAGES[(user * 3 + turn) % len(USER_MESSAGES)]})
@@ -166,6 +177,10 @@ def run_server(config: Config, plan: list[list[list[dict[str, str]]]], max_token
         for thread in threads:
             thread.join()
         outcome.wall = time.perf_counter() - started
+        outcome.peak_rss = server.proc_status().get("VmHWM", 0)
+        if config.ckpt:
+            (stats,) = httpx.get(f"{server.url}/checkpoints/stats", timeout=30).json()["models"].values()
+            outcome.state_bytes = int(stats["resident_bytes"])
     return outcome
 
 
@@ -176,7 +191,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def run(users: Sequence[int], turns: int, max_tokens: int, host_alone: bool, repeats: int = 1,
-        fixed: bool = False) -> Report:
+        fixed: bool = False, *, unified: int = 0, only: Sequence[str] = (), shared_system: int = 0) -> Report:
     model = gemma_path()
     count = token_counter(model)
     report = Report("Concurrent users" + (f", {max_tokens}-token replies" if fixed else ""))
@@ -184,14 +199,16 @@ def run(users: Sequence[int], turns: int, max_tokens: int, host_alone: bool, rep
                "string, and end-of-generation tokens banned)" if fixed else
                f"up to {max_tokens} tokens per reply, ending where the model starts the next turn (chat format "
                "`ckpt-transcript` / bench/transcript.jinja, same stops)")
-    report.text(f"Gemma-3-270M (Q4_K_M), n_ctx {N_CTX} per slot, n_batch {N_BATCH}, {N_THREADS} threads; each user a "
-                f"{SYSTEM_TOKENS}-token system prompt of its own and {turns} turns, all users at once, streamed, "
+    systems = (f"one {shared_system}-token system prompt for all" if shared_system else
+               f"each user a {SYSTEM_TOKENS}-token system prompt of its own")
+    report.text(f"Gemma-3-270M (Q4_K_M), n_ctx {N_CTX} per slot, n_batch {N_BATCH}, {N_THREADS} threads; {systems} and "
+                f"{turns} turns, all users at once, streamed, "
                 f"{replies}, at temperature 0. Both servers get the same prompts. One server at a time; the servers "
                 f"take turns ({repeats} round{'s' if repeats > 1 else ''}, medians), so that a slower period of the "
                 "machine falls on all of them.")
     for n_users in users:
-        plan = conversations(n_users, turns, count)
-        configs = servers(model, host_alone, fixed)
+        plan = conversations(n_users, turns, count, shared_system)
+        configs = [c for c in servers(model, host_alone, fixed, unified) if not only or c.key in only]
         runs: dict[str, list[Outcome]] = {config.key: [] for config in configs}
         for round_ in range(repeats):
             for config in configs if round_ % 2 == 0 else configs[::-1]:
@@ -210,19 +227,23 @@ def run(users: Sequence[int], turns: int, max_tokens: int, host_alone: bool, rep
             p95 = statistics.median(percentile(o.later_ttfts, 95) for o in outcomes)
             turns_done = [t for o in outcomes for t in o.turns]
             base_key = one_slot.get(config.key, "p1")
-            base = {(t.user, t.turn): t.text for t in runs[base_key][0].turns}
+            base = {(t.user, t.turn): t.text for t in runs.get(base_key, runs[config.key])[0].turns}
             equal = sum(base.get((t.user, t.turn)) == t.text for t in turns_done)
             p50s[config.key], p95s[config.key] = p50, p95
             rows.append([config.label, f"{walls[config.key]:.1f} s",
                          round(statistics.median(sum(t.completion_tokens for t in o.turns) for o in outcomes)),
                          f"{p50:.2f} s", f"{p95:.2f} s", sum(t.error is not None for t in turns_done),
-                         f"{equal}/{len(turns_done)}"])
+                         f"{equal}/{len(turns_done)}",
+                         f"{statistics.median(o.peak_rss for o in outcomes) / 1e9:.2f} GB",
+                         f"{statistics.median(o.state_bytes for o in outcomes) / 1e6:.0f} MB" if config.ckpt else "-"])
         report.text(f"**{n_users} users at once**")
         report.table(["server", "wall", "completion tokens", "TTFT p50 (turns 2+)", "p95", "failed",
-                      "replies equal to one slot's first round"], rows)
-        report.figure(f"{n_users} users: wall --parallel 4 / --parallel 1", f"{walls['p4'] / walls['p1']:.2f}x",
-                      "<= 0.8x")
-        if "ls4" in walls:
+                      "replies equal to one slot's first round", "peak RSS",
+                              "states held at the end"], rows)
+        if "p1" in walls and "p4" in walls:
+            report.figure(f"{n_users} users: wall --parallel 4 / --parallel 1", f"{walls['p4'] / walls['p1']:.2f}x",
+                          "<= 0.8x")
+        if "ls4" in walls and "p4" in walls:
             for name, ours, theirs in (("wall", walls, walls), ("TTFT p50", p50s, p50s), ("TTFT p95", p95s, p95s)):
                 report.figure(f"{n_users} users: {name} --parallel 4 / llama-server -np 4",
                               f"{ours['p4'] / theirs['ls4']:.2f}x", "<= 1.0x")
@@ -239,11 +260,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="every reply --max-tokens long (a chat format without stop strings, end-of-generation "
                         "tokens banned) instead of ending where the model starts the next turn")
     parser.add_argument("--repeats", type=int, default=2, help="rounds, the servers taking turns (default 2)")
+    parser.add_argument("--kv-unified", type=int, nargs="?", const=4 * N_CTX, default=0, metavar="CELLS",
+                        help="also ckpt-serve --parallel 4 --kv-unified true with a pool of CELLS (default: the "
+                        "cells of --parallel 4's streams)")
+    parser.add_argument("--servers", default="", help="only these servers, comma-separated (p1,p4,p4u,host,ls4,ls1)")
+    parser.add_argument("--shared-system", type=int, default=0,
+                        help="one system prompt of this many tokens for every user (default: one of its own each)")
     parser.add_argument("--markdown", type=pathlib.Path)
     parser.add_argument("--report-json", type=pathlib.Path)
     args = parser.parse_args(argv)
     report = run([int(u) for u in args.users.split(",")], args.turns, args.max_tokens, args.host_alone, args.repeats,
-                 args.fixed_replies)
+                 args.fixed_replies, unified=args.kv_unified, only=[k for k in args.servers.split(",") if k],
+                 shared_system=args.shared_system)
     text = report.markdown()
     print(text)
     if args.markdown:
