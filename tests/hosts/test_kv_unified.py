@@ -146,3 +146,23 @@ def test_requests_arriving_with_one_new_prefix_evaluate_it_once(make_llama: Call
         assert evaluated <= prefix + sum(len(t) - prefix for t in tokenized), parallel.manager.stats()
     finally:
         parallel.close()
+
+
+def test_a_full_pool_parks_an_idle_slot_and_restores_it_later(make_llama: Callable[..., Any]) -> None:
+    """Two slots over a pool of 1,024 cells, conversations of ~600 tokens each: the second needs the first's cells
+    (parked in the cache, freed), and the first, back, is restored from the cache, which needs the second's; the
+    answers are a fresh context's."""
+    plain = make_llama("llama")
+    host = make_llama("llama")
+    rng = np.random.default_rng(5)
+    first, second = (" ".join(rng.choice(WORDS, 125)) for _ in range(2))
+    expected, _, _ = references(plain, [first, second, first + " again"])
+    parallel = ParallelLlama(host, 2, unified=True, load_entrypoints=False)
+    counters = parallel.manager.counters
+    try:
+        got = [served(parallel, text) for text in (first, second, first + " again")]
+        assert got == expected
+        assert counters.cache_saves >= 2 and counters.cache_hits >= 1, parallel.manager.stats()
+        assert counters.restore_failures == 0, parallel.manager.stats()
+    finally:
+        parallel.close()

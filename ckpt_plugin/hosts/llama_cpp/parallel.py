@@ -232,7 +232,7 @@ class ParallelLlama:
             for controller in self.manager.slots:
                 controller.peers = self.sharing.peers(controller.slot.id)
         if unified:
-            self.scheduler.make_room = self._make_room
+            self.context.make_room = self._make_room
         self.lookups = [copy.copy(host_draft) for _ in range(n_slots)] if host_draft is not None else None
         self.drafts: SlotDrafts | None = None
         if draft is not None:
@@ -256,8 +256,9 @@ class ParallelLlama:
 
     def _make_room(self) -> bool:
         """Park one idle slot's conversation in the cache and free its cells (the least recently used slot whose
-        lock is free); ``False`` if none could be. On the scheduler's thread, the context held: a slot's lock is only
-        tried, never waited for (its owner may be waiting for this very step)."""
+        lock is free); ``False`` if none could be. Called for a full pool (:attr:`SequenceContext.make_room`) on the
+        scheduler's thread or a restoring slot's, the context held: a slot's lock is only tried, never waited for
+        (its owner may be waiting for this very step)."""
         for slot_id in self.leases.idle_oldest_first():
             controller = self.manager.slots[slot_id]
             if controller.slot.n_tokens == 0 or not controller.lock.acquire(blocking=False):

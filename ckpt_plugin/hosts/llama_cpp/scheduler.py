@@ -150,10 +150,6 @@ class BatchScheduler:
         self._n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))
         self._logits = np.ctypeslib.as_array(self._batch.logits, shape=(n,))
         self._n_seq_id[:] = 1
-        # Called, the context held, when llama.cpp finds no room for a step's tokens (a pool of cells the slots share,
-        # ParallelLlama(unified=True)): frees the cells of a slot no generation holds and returns True, or False when
-        # there is none left; the step is then tried again (llama.cpp changed nothing).
-        self.make_room: Callable[[], bool] | None = None
         self._thread = threading.Thread(target=self._run, name="ckpt-batch-scheduler", daemon=True)
         self._thread.start()
 
@@ -341,7 +337,9 @@ class BatchScheduler:
             _decoding.add(id(self))
             try:
                 status = int(llama_cpp.llama_decode(context.ctx, batch))
-                while status == 1 and self.make_room is not None and self.make_room():
+                # No room in a pool of cells the slots share (llama.cpp changed nothing): the context frees an idle
+                # slot's cells and the step is tried again (SequenceContext.make_room).
+                while status == 1 and context.make_room is not None and context.make_room():
                     status = int(llama_cpp.llama_decode(context.ctx, batch))
             finally:
                 _decoding.discard(id(self))

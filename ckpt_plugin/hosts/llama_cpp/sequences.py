@@ -64,6 +64,9 @@ class SequenceContext:
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._logits = np.zeros((n_seq, self.n_vocab), dtype=np.single)
         self.lock = threading.RLock()
+        # Set where the sequences share one pool of cells: called, the context held, when a decode or a restore
+        # finds no room; frees the cells of a slot no generation holds and returns True, or False if none is left.
+        self.make_room: Callable[[], bool] | None = None
         self._closed = False
 
     def sequence(self, seq_id: int) -> SequenceBackend:
@@ -191,10 +194,17 @@ class SequenceBackend:
             # the window's positions while its full-attention cells may hold more.
             self.end_bound = None
             self.published = None
-            read = int(llama_cpp.llama_state_seq_set_data_ext(
-                self.context.ctx, buffer.ctypes.data_as(U8_P), buffer.nbytes, self.seq_id, state_flags(partial)))
+            read = self._set_state(buffer, partial)
+            make_room = self.context.make_room
+            while read == 0 and make_room is not None and make_room():
+                read = self._set_state(buffer, partial)  # a full pool had no cells for it
             self._ask_pos_max()
             return read
+
+    def _set_state(self, buffer: np.ndarray, partial: bool) -> int:
+        # The lock is held.
+        return int(llama_cpp.llama_state_seq_set_data_ext(
+            self.context.ctx, buffer.ctypes.data_as(U8_P), buffer.nbytes, self.seq_id, state_flags(partial)))
 
     def _unpublish_from(self, start: int) -> None:
         # The lock is held: the cells from ``start`` on are about to go.
