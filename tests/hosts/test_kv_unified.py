@@ -166,3 +166,30 @@ def test_a_full_pool_parks_an_idle_slot_and_restores_it_later(make_llama: Callab
         assert counters.restore_failures == 0, parallel.manager.stats()
     finally:
         parallel.close()
+
+
+def test_cells_are_never_shared_across_namespaces(make_llama: Callable[..., Any]) -> None:
+    """A tenant's live prefix is offered to its own namespace only: another tenant with the same prompt evaluates
+    it (as with a stream per slot, a tenant never lands on another's state)."""
+    from ckpt_plugin.core.request import RequestScope, current_request
+
+    host = make_llama("llama")
+    text = " ".join(np.random.default_rng(3).choice(WORDS, 60))
+    parallel = ParallelLlama(host, 2, unified=True, load_entrypoints=False)
+    counters = parallel.manager.counters
+
+    def as_tenant(namespace: str, prompt: str) -> str:
+        token = current_request.set(RequestScope(namespace=namespace))
+        try:
+            return served(parallel, prompt)
+        finally:
+            current_request.reset(token)
+
+    try:
+        for namespace, prompt in (("a", " one"), ("b", " two"), ("a", " three"), ("b", " four")):
+            as_tenant(namespace, text + prompt)
+        assert counters.kv_shares == 0, parallel.manager.stats()  # each tenant's next turn from its own slot
+        evaluated = counters.prompt_tokens - counters.tokens_reused
+        assert evaluated >= 2 * len(host.tokenize(text.encode())), parallel.manager.stats()
+    finally:
+        parallel.close()
