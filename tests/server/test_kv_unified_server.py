@@ -1,6 +1,6 @@
-"""``ckpt-serve --parallel 4 --kv-unified true`` through real HTTP: four clients sending the same new long prefix
-together evaluate it once (the others share its cells), and every answer equals the same request on a fresh
-context at temperature 0."""
+"""``ckpt-serve --parallel 4`` through real HTTP, with and without ``--kv-unified true``: four clients sending the
+same new long prefix together evaluate it once (the others share its cells in the pool, or restore the state the
+first one parked in the cache), and every answer equals the same request on a fresh context at temperature 0."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ BOUND = 90.0
 OPTIONS = {"n_ctx": 2048, "n_batch": 64, "n_ubatch": 64, "n_threads": 2, "seed": 0}
 
 
-@pytest.fixture(scope="module")
-def unified(tiny_model: Any) -> Iterator[Server]:
-    args = model_args(tiny_model("llama"), **OPTIONS) + ["--parallel", "4", "--kv-unified", "true", "--admin", "true"]
-    with run_server(args) as server:
-        yield server
+@pytest.fixture(scope="module", params=[True, False], ids=["kv-unified", "streams"])
+def served(request: pytest.FixtureRequest, tiny_model: Any) -> Iterator[tuple[Server, bool]]:
+    """The server, and whether its slots share one pool of cells."""
+    args = model_args(tiny_model("llama"), **OPTIONS) + ["--parallel", "4", "--admin", "true"]
+    with run_server(args + ["--kv-unified", "true"] if request.param else args) as server:
+        yield server, request.param
 
 
 def counters(server: Server) -> dict[str, Any]:
@@ -29,9 +30,10 @@ def counters(server: Server) -> dict[str, Any]:
     return model
 
 
-def test_four_clients_with_one_new_prefix_evaluate_it_once(tiny_model: Any, unified: Server) -> None:
+def test_four_clients_with_one_new_prefix_evaluate_it_once(tiny_model: Any, served: tuple[Server, bool]) -> None:
     from llama_cpp import Llama
 
+    server, unified = served
     rng = np.random.default_rng(37)
     words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa"]
     system = " ".join(rng.choice(words, 80))  # ~380 tokens, new to the server
@@ -47,23 +49,26 @@ def test_four_clients_with_one_new_prefix_evaluate_it_once(tiny_model: Any, unif
         n_system = len(fresh.tokenize(system.encode(), add_bos=False))
     finally:
         fresh.close()
-    before = counters(unified)
+    before = counters(server)
 
     def ask(messages: list[dict[str, str]]) -> tuple[str, Any]:
-        reply = client(unified, timeout=BOUND).chat.completions.create(
+        reply = client(server, timeout=BOUND).chat.completions.create(
             model="m", messages=messages, max_tokens=16, temperature=0)
         return reply.choices[0].message.content or "", reply.usage
 
     replies = all_at_once([lambda messages=messages: ask(messages) for messages in conversations])
     assert [text for text, _ in replies] == expected
-    after = counters(unified)
+    after = counters(server)
     delta = {key: after[key] - before[key] for key in ("prompt_tokens", "tokens_reused", "kv_shares",
-                                                         "tokens_shared", "prefix_waits")}
+                                                         "tokens_shared", "prefix_waits", "cache_hits")}
     assert delta["prompt_tokens"] == sum(usage.prompt_tokens for _, usage in replies)
     # The system prompt evaluated once: the three other requests took its cells (its text's tokens, less a few
     # where the template joins it to what follows).
     evaluated = delta["prompt_tokens"] - delta["tokens_reused"]
     assert evaluated <= delta["prompt_tokens"] - 3 * (n_system - 4), (delta, n_system)
-    assert delta["kv_shares"] >= 3 and delta["tokens_shared"] >= 3 * (n_system - 4), delta
+    if unified:
+        assert delta["kv_shares"] >= 3 and delta["tokens_shared"] >= 3 * (n_system - 4), delta
+    else:
+        assert delta["kv_shares"] == 0 and delta["cache_hits"] >= 3, delta
     cached = sorted(usage.prompt_tokens_details.cached_tokens for _, usage in replies)
     assert cached[0] == 0 and all(c >= n_system - 4 for c in cached[1:]), cached

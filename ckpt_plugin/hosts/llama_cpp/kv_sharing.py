@@ -7,18 +7,21 @@ slot's planner the live memories of the other slots (their published tokens, see
 :class:`~ckpt_plugin.engine.slot_memory.CellSource` candidates: sixteen conversations with one long system prompt
 hold it once per pool instead of once per slot.
 
+Cells are shared only for memory kinds that allow it (:func:`~ckpt_plugin.policy.plan.shares_cells`: plain
+attention); for the others, and with a KV stream per slot, each slot keeps its cells to itself.
+
 Prefixes in flight: requests that arrive together with the same new prefix would each evaluate it. A generation
 whose prompt shares with another slot's prompt in flight (being evaluated) at least ``min_tokens`` more than any
-memory holds now waits for that slot's evaluation to publish them, then shares its cells. The waits form no cycle:
-a generation waits only for a flight registered before its own.
-
-Only for memory kinds whose cells sequences can share (:func:`~ckpt_plugin.policy.plan.shares_cells`: plain
-attention); for the others the slots keep their memories to themselves, as with a KV stream each.
+memory it could share holds now waits until that slot has evaluated them, then shares its cells; where cells are not
+shared, that slot parks its state in the cache once it holds them (``park``, on its own thread) and the waiters
+restore it from there: a copy, still far cheaper than evaluating. Not for recurrent states, which serve no prefix
+shorter than their end. The waits form no cycle: a generation waits only for a flight registered before its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -70,32 +73,40 @@ class LivePrefix:
         return backend.share_prefix(self.source, self.tokens, n_keep)
 
 
-@dataclass(frozen=True)
 class _Flight:
-    """A generation evaluating its prompt on a slot."""
+    """A generation evaluating its prompt on a slot, and what of the prompt the others can take from it."""
 
-    slot_id: int
-    namespace: str
-    prompt: np.ndarray
+    __slots__ = ("slot_id", "namespace", "prompt", "wanted", "ready")
+
+    def __init__(self, slot_id: int, namespace: str, prompt: np.ndarray) -> None:
+        self.slot_id = slot_id
+        self.namespace = namespace
+        self.prompt = prompt
+        self.wanted = 0  # the longest prefix a waiter waits for
+        self.ready = 0  # the longest prefix parked in the cache for the waiters (without shared cells)
 
 
 class PrefixSharing:
-    """The cells the slots of one unified KV cache share, and the prompts in flight (see the module docstring).
+    """The prompts in flight, and the cells the slots of one unified KV cache share (see the module docstring).
 
     :param backends: The slots' sequences, by slot id.
     :param counters: The engine's counters (``prefix_waits``).
     :param min_tokens: The fewest tokens a flight must offer beyond what memory holds now to be waited for.
+    :param park: Without shared cells: puts a slot's state into the cache (its argument), where the waiters find
+        it; ``None``: the waiters share the slot's cells (a unified cache, plain attention).
     """
 
-    def __init__(self, backends: Sequence[SequenceBackend], counters: Counters, min_tokens: int) -> None:
+    def __init__(self, backends: Sequence[SequenceBackend], counters: Counters, min_tokens: int,
+                 park: Callable[[int], object] | None = None) -> None:
         self.backends = list(backends)
         self.counters = counters
         self.min_tokens = min_tokens
+        self.park = park
         self._cond = threading.Condition()
         self._flights: dict[int, _Flight] = {}
         self._waiting = 0
         for backend in self.backends:
-            backend.on_publish = self._published
+            backend.on_publish = functools.partial(self._published, backend.seq_id)
 
     def peers(self, slot_id: int) -> Callable[[str], list[LivePrefix]]:
         """The other slots' live memories in a namespace, for slot ``slot_id``'s planner."""
@@ -110,15 +121,32 @@ class PrefixSharing:
 
         return offered
 
-    def _published(self) -> None:
-        if self._waiting:  # read without the lock: a waiter looks again at least every _RECHECK_SECONDS
-            with self._cond:
+    def _evaluated(self, flight: _Flight) -> int:
+        """How much of ``flight``'s prompt its slot's cells hold now."""
+        published = self.backends[flight.slot_id].published
+        return common_prefix(published[1], flight.prompt) if published is not None else 0
+
+    def _published(self, slot_id: int) -> None:
+        """Slot ``slot_id`` published what its cells hold (on its own thread): wake the waiters; without shared
+        cells, first park its state for them once it holds what they wait for."""
+        if not self._waiting:  # read without the lock: a waiter looks again at least every _RECHECK_SECONDS
+            return
+        with self._cond:
+            flight = self._flights.get(slot_id)
+            evaluated = self._evaluated(flight) if flight is not None else 0
+            parking = (self.park is not None and flight is not None and flight.ready < flight.wanted <= evaluated)
+            if not parking:
                 self._cond.notify_all()
+                return
+        self.park(slot_id)  # type: ignore[misc]  # a state capture: outside the lock
+        with self._cond:
+            flight.ready = evaluated  # type: ignore[union-attr]  # parked or not: the waiters go on
+            self._cond.notify_all()
 
     def _held(self, namespace: str, prompt: np.ndarray) -> int:
-        """The longest prefix of ``prompt`` some slot's cells hold now."""
+        """The longest prefix of ``prompt`` some slot's cells hold now, for them to share (0 without sharing)."""
         held = 0
-        for backend in self.backends:
+        for backend in self.backends if self.park is None else ():
             published = backend.published
             if published is not None and published[0] == namespace:
                 held = max(held, common_prefix(published[1], prompt))
@@ -142,6 +170,7 @@ class PrefixSharing:
             self._flights[slot_id] = flight
             if leader is not None:
                 self.counters.add(prefix_waits=1)
+                leader.wanted = max(leader.wanted, target)
                 self._wait_for(leader, target)
         try:
             yield
@@ -154,12 +183,11 @@ class PrefixSharing:
     def _wait_for(self, leader: _Flight, target: int) -> None:
         # The condition is held (released while waiting).
         scope = current_request.get()
-        source = self.backends[leader.slot_id]
         self._waiting += 1
         try:
             while self._flights.get(leader.slot_id) is leader:
-                published = source.published
-                if published is not None and common_prefix(published[1], leader.prompt) >= target:
+                ready = self._evaluated(leader) if self.park is None else leader.ready
+                if ready >= target:
                     return
                 if scope is not None and scope.interrupted():
                     return

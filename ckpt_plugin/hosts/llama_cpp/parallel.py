@@ -193,7 +193,8 @@ class ParallelLlama:
     :ivar leases: Which slot each generation holds.
     :ivar drafts: The slots' draft models (``None`` without ``draft``).
     :ivar lookups: A prompt lookup decoder per slot, where the host's ``draft_model`` is one.
-    :ivar sharing: The cells the slots share (``None`` unless ``unified`` and plain attention).
+    :ivar sharing: The prompts in flight, and the cells the slots share where they can (``unified`` and plain
+        attention); ``None`` for a recurrent memory.
     :raises UnsupportedHostError: ``llama`` serves embeddings, or has a draft model other than prompt lookup.
     """
 
@@ -227,8 +228,11 @@ class ParallelLlama:
                                          more_slots=self.backends[1:], **overrides)
         self.leases = SlotLeases(n_slots, self._describe)
         self.sharing: PrefixSharing | None = None
-        if unified and shares_cells(self.context.kind):
-            self.sharing = PrefixSharing(self.backends, self.manager.counters, self.manager.settings.cache_min_tokens)
+        cells = unified and shares_cells(self.context.kind)
+        if not self.context.kind.recurrent:  # a recurrent state at a prompt's end serves no shorter prefix
+            self.sharing = PrefixSharing(self.backends, self.manager.counters, self.manager.settings.cache_min_tokens,
+                                         park=None if cells else self._park)
+        if cells and self.sharing is not None:
             for controller in self.manager.slots:
                 controller.peers = self.sharing.peers(controller.slot.id)
         if unified:
@@ -253,6 +257,15 @@ class ParallelLlama:
     def _describe(self, slot_id: int) -> tuple[str, np.ndarray]:
         slot = self.manager.slots[slot_id].slot
         return slot.namespace, slot.tokens
+
+    def _park(self, slot_id: int) -> None:
+        """Put slot ``slot_id``'s state into the cache for the generations waiting for its prefix (on its thread)."""
+        controller = self.manager.slots[slot_id]
+        try:
+            if not controller.memory.opaque:
+                controller.memory.save_to_cache()
+        except Exception:  # the waiters evaluate the prefix themselves
+            log.exception("slot %d: its state could not be parked for the prompts waiting for it", slot_id)
 
     def _make_room(self) -> bool:
         """Park one idle slot's conversation in the cache and free its cells (the least recently used slot whose
