@@ -6,7 +6,10 @@ slots do not use); the parallel context (KV cells, output buffer; the compute bu
 steps touch it); four concurrent prompts of about 1,000 tokens (compute buffer pages, the slots' logits rows and
 the checkpoints they take); with the bytes of states (checkpoints, entries) the engine holds at the end.
 
-Run: ``.venv/bin/python bench/kv_memory.py`` (about a minute); ``--markdown OUT``.
+Also, per layout, four requests arriving together with one new ~440-token prefix (prefixes in flight): the prompt
+tokens evaluated in all, the waits, and how the waiters got the prefix (cache hits, shared cells).
+
+Run: ``.venv/bin/python bench/kv_memory.py`` (about two minutes); ``--markdown OUT``.
 """
 
 from __future__ import annotations
@@ -59,8 +62,22 @@ def measure(layout: str, n_ctx: int) -> dict[str, Any]:
         thread.join()
     steps["4 prompts"] = _rss_mib()
     states = parallel.manager.stats()["resident_bytes"] / 2**20
+    counters = parallel.manager.counters
+    before = counters.prompt_tokens - counters.tokens_reused
+    tools = " ".join(f"Tool {i}: fetch the weather for a city and return it as JSON with fields temp, wind."
+                     for i in range(20))
+    threads = [threading.Thread(target=lambda i=i: views[i].create_completion(f"{tools} User {i}: what now?",
+                                                                               max_tokens=4, temperature=0.0))
+               for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    flight = {"prompt": len(llama.tokenize(f"{tools} User 0: what now?".encode())),
+              "evaluated": counters.prompt_tokens - counters.tokens_reused - before, "waits": counters.prefix_waits,
+              "hits": counters.cache_hits, "shares": counters.kv_shares}
     parallel.close()
-    return {"steps": steps, "states": states}
+    return {"steps": steps, "states": states, "flight": flight}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.one:
         print(json.dumps(measure(args.one[0], int(args.one[1]))))
         return
-    rows = []
+    rows, flights = [], []
     for layout, n_ctx in CONFIGS:
         out = subprocess.run([sys.executable, __file__, "--one", layout, str(n_ctx)], capture_output=True, text=True,
                              check=True).stdout
@@ -80,8 +97,13 @@ def main(argv: list[str] | None = None) -> None:
         label = f"--parallel 4 --n_ctx {n_ctx}" + (" --kv-unified true" if layout == "unified" else "")
         rows.append([label, *(f"+{b - a:.0f}" for a, b in zip(steps, steps[1:])), f"{steps[-1]:.0f}",
                      f"{result['states']:.0f}"])
+        flight = result["flight"]
+        flights.append([label, f"4 x {flight['prompt']}", flight["evaluated"], flight["waits"], flight["hits"],
+                        flight["shares"]])
     text = markdown_table(["configuration", "host Llama (MiB)", "parallel context", "4 prompts of ~1,000 tokens",
                            "resident at the end", "of which states held"], rows)
+    text += "\n\n" + markdown_table(["configuration", "prompt tokens", "evaluated", "waits", "cache hits",
+                                      "shared cells"], flights)
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
