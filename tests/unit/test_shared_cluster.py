@@ -198,8 +198,9 @@ def test_a_single_valkey_server(tmp_path: Path) -> None:
 ACL_COMMANDS = "+get +set +mget +exists +expire +del +unlink +scan +ping +client|setname +cluster|slots +command"
 
 
-def test_an_acl_user_with_only_the_commands_the_tier_sends(tmp_path: Path) -> None:
-    with run_cluster(tmp_path) as locked:
+@pytest.mark.parametrize("server", SERVERS)
+def test_an_acl_user_with_only_the_commands_the_tier_sends(tmp_path: Path, server: str) -> None:
+    with run_cluster(tmp_path, binary=binary(server)) as locked:
         for node in locked.nodes:
             node.client().execute_command("ACL", "SETUSER", "ckpt", "on", ">s3cret", "~*", "resetchannels",
                                           "-@all", *ACL_COMMANDS.split())
