@@ -103,7 +103,7 @@ def test_random_shared_and_edited_prefixes_on_concurrent_slots_equal_fresh_conte
     host = make_llama(kind, n_ctx=2048)
     parallel = ParallelLlama(host, 3, unified=True, load_entrypoints=False)
     try:
-        for seed in (1, 2):
+        for seed in (1, 2, 3, 4):
             texts = edited_prompts(8, seed)
             expected = [fresh(plain, text, 6) for text in texts]
             with ThreadPoolExecutor(8) as pool:
