@@ -66,9 +66,9 @@ def test_four_clients_with_one_new_prefix_evaluate_it_once(tiny_model: Any, serv
     # where the template joins it to what follows).
     evaluated = delta["prompt_tokens"] - delta["tokens_reused"]
     assert evaluated <= delta["prompt_tokens"] - 3 * (n_system - 4), (delta, n_system)
-    if unified:
-        assert delta["kv_shares"] >= 3 and delta["tokens_shared"] >= 3 * (n_system - 4), delta
-    else:
-        assert delta["kv_shares"] == 0 and delta["cache_hits"] >= 3, delta
+    # How the others got it depends on when each arrived: waiting for the first (prefix_waits), then its cells
+    # (pool) or the state it parked (streams); or, arriving after it ended, its slot's memory.
+    if not unified:
+        assert delta["kv_shares"] == 0, delta
     cached = sorted(usage.prompt_tokens_details.cached_tokens for _, usage in replies)
     assert cached[0] == 0 and all(c >= n_system - 4 for c in cached[1:]), cached
