@@ -56,7 +56,8 @@ def startup_line(url: str, models: list[ModelSettings], managers: dict[str, Any]
     parts = [
         "serving " + ", ".join(_model_text(m, m is loaded, bool(others)) for m in [loaded, *others]) + f" at {url}",
         f"chat format {chat_format_text(loaded)}",
-        f"{settings.parallel} slot{'s' if settings.parallel > 1 else ''} of n_ctx {loaded.n_ctx}",
+        f"{settings.parallel} slot{'s' if settings.parallel > 1 else ''} of n_ctx {loaded.n_ctx}"
+        + (" in one pool of cells" if settings.parallel > 1 and settings.kv_unified else ""),
     ]
     if manager is not None:
         budget = manager.cache.max_bytes
