@@ -162,7 +162,10 @@ class SharedServer:
             if not self._down and not self._suspects:
                 return True
             avoid = self._down.keys() | self._suspects
-        return not (self.nodes_of(keys) & avoid)
+        try:
+            return not (self.nodes_of(keys) & avoid)
+        except Exception:  # a slot no node serves, as far as the client knows: nothing to ask
+            return False
 
     def failed(self, what: str, exc: BaseException, keys: Iterable[str] = ()) -> None:
         """Count a failure; if it is a fault of the nodes serving ``keys`` (of the server, for a single one), leave
