@@ -6,11 +6,13 @@ as fixtures to any project that installs ckpt_plugin:
 - ``tiny_model``: ``tiny_model("gemma3") -> Path`` builds (once per session) a tiny random-weight GGUF model of a
   kind (``llama``, ``gemma3`` with a 32-token window, ``mamba``, ``hybrid``);
 - ``fake_manager``: ``fake_manager(kind="swa", **settings) -> CheckpointManager`` over a :class:`FakeBackend`, for
-  testing plugins without a model;
+  testing plugins without a model (no entry-point plugins unless ``load_entrypoints=True``);
 - ``hook_recorder``: a :class:`HookRecorder` that records every hook call of the managers it watches.
 
 :class:`FakeBackend` simulates the truncation rules of each memory kind on token lists and records a violation
 (``corrupted``) instead of silently computing garbage the way a real sliding window would, so policy bugs show.
+:func:`run_prompt` serves a prompt as a host does, in a tenant's namespace if given (:func:`namespace_for` computes
+the one a server derives from a bearer token or a header): docs/hooks.md, "Testing kit".
 """
 
 from __future__ import annotations
@@ -21,8 +23,24 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ckpt_plugin.core.request import RequestScope, current_request
 from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.http.tenants import namespace_for
 from ckpt_plugin.policy.plan import MemoryKind
+
+__all__ = [
+    "FAKE_KINDS",
+    "FakeBackend",
+    "HookRecorder",
+    "NOISE",
+    "assert_same_answer",
+    "fake_manager",
+    "fresh_greedy_tokens",
+    "greedy_tokens",
+    "namespace_for",
+    "run_prompt",
+    "tiny_models_in",
+]
 
 FAKE_KINDS: dict[str, MemoryKind] = {
     "plain": MemoryKind(),
@@ -136,22 +154,35 @@ class HookRecorder:
 
 def fake_manager(kind: str = "swa", *, n_ctx: int = 4096, window_cells: int | None = None,
                  **settings: Any) -> CheckpointManager:
-    """A manager over a :class:`FakeBackend` of ``kind`` (``plain``, ``swa``, ``recurrent``, ``hybrid``)."""
+    """A manager over a :class:`FakeBackend` of ``kind`` (``plain``, ``swa``, ``recurrent``, ``hybrid``).
+
+    It loads no plugins of the ``ckpt_plugin`` entry-point group unless ``load_entrypoints=True`` is given: a test
+    sees only the plugins it registers, whatever else is installed in its environment.
+    """
     settings.setdefault("load_entrypoints", False)
     return CheckpointManager(FakeBackend(FAKE_KINDS[kind], n_ctx, window_cells), **settings)
 
 
-def run_prompt(manager: CheckpointManager, prompt: list[int] | np.ndarray, n_generate: int = 0) -> int:
+def run_prompt(manager: CheckpointManager, prompt: list[int] | np.ndarray, n_generate: int = 0, *,
+               namespace: str | None = None) -> int:
     """Serve ``prompt`` the way a host does: prepare, process the rest, then ``n_generate`` dummy tokens.
 
+    :param namespace: Serve it as a request of this tenant (:func:`namespace_for`); by default the manager's own
+        ``namespace`` setting, as outside any request.
     :return: Tokens evaluated for this prompt.
     """
     before = manager.counters.tokens_evaluated
     prompt = np.asarray(prompt, dtype=np.int32)
-    n_keep = manager.prepare(prompt)
-    manager.process(prompt[n_keep:], len(prompt))
-    for i in range(n_generate):
-        manager.process(np.asarray([7 + i], dtype=np.int32), len(prompt))
+    # The namespace of a request is its scope's (what the HTTP middleware sets for each request), not the slot's.
+    token = current_request.set(RequestScope(namespace=namespace)) if namespace is not None else None
+    try:
+        n_keep = manager.prepare(prompt)
+        manager.process(prompt[n_keep:], len(prompt))
+        for i in range(n_generate):
+            manager.process(np.asarray([7 + i], dtype=np.int32), len(prompt))
+    finally:
+        if token is not None:
+            current_request.reset(token)
     return manager.counters.tokens_evaluated - before
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import ckpt_plugin
 from ckpt_plugin import PluginError, hookimpl
-from ckpt_plugin.testing import HookRecorder, fake_manager, run_prompt
+from ckpt_plugin.testing import HookRecorder, fake_manager, namespace_for, run_prompt
 
 
 def write_entrypoint_plugin(root: Any) -> None:
@@ -234,3 +234,74 @@ def test_a_call_monitor_sees_hooks_nobody_implements() -> None:
     calls.clear()
     manager.checkpoint()
     assert calls == [] and "on_checkpoint_created" in manager.plugins.idle_hooks
+
+
+def test_fake_manager_loads_no_entry_points_unless_asked(tmp_path: Any, monkeypatch: Any) -> None:
+    """docs/hooks.md, "Testing kit": a test sees only the plugins it registers, unless it asks for the installed
+    ones (a plugin tested through its own entry point)."""
+    write_entrypoint_plugin(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import third_party_ckpt  # type: ignore[import-not-found]
+
+    assert fake_manager().plugins.get_plugin("third_party") is None
+    assert fake_manager(load_entrypoints=True).plugins.get_plugin("third_party") is third_party_ckpt
+
+
+def test_namespace_for_is_the_namespace_the_server_derives() -> None:
+    from starlette.datastructures import Headers
+
+    from ckpt_plugin.config import ServeSettings
+    from ckpt_plugin.http.tenants import Tenants
+
+    by_key = Tenants(ServeSettings(namespaces="api_key"), api_key=None)
+    by_header = Tenants(ServeSettings(namespaces="header", namespace_header="x-tenant"), api_key=None)
+    assert namespace_for("api_key", "sk-tenant-a") == "key:43b53901e1469bd7"  # docs/server.md, "Namespaces"
+    assert by_key.caller(Headers({"authorization": "Bearer sk-tenant-a"})).namespace == "key:43b53901e1469bd7"
+    assert by_header.caller(Headers({"x-tenant": "acme"})).namespace == namespace_for("header", "acme")
+    assert by_key.caller(Headers({})).namespace == namespace_for("api_key", None) == "key:anonymous"
+    with pytest.raises(ValueError, match="derives no namespace"):
+        namespace_for("off", "x")
+
+
+class TenantRule:
+    """A tenant rule under test: one tenant's conversations are never cached."""
+
+    def __init__(self, uncached: str) -> None:
+        self.uncached = uncached
+        self.asked: list[str] = []
+
+    @hookimpl
+    def on_cache_alloc(self, manager: Any, namespace: str, n_tokens: int, n_bytes: int) -> bool | None:
+        self.asked.append(namespace)
+        return False if namespace == self.uncached else None
+
+
+def test_run_prompt_serves_a_prompt_in_a_tenants_namespace() -> None:
+    """``run_prompt(..., namespace=...)`` serves as a request of that tenant does, so a tenant rule is tested
+    without the request scope of the HTTP layer."""
+    alice, bob = namespace_for("api_key", "sk-alice"), namespace_for("api_key", "sk-bob")
+    manager = fake_manager("plain", cache_min_tokens=8)
+    rule = TenantRule(uncached=alice)
+    manager.plugins.register(rule)
+    prompt = list(range(100, 140))
+    run_prompt(manager, prompt, namespace=alice)
+    assert manager.slot.namespace == alice
+    run_prompt(manager, prompt, namespace=bob)  # the slot changes tenant: alice's state would be parked
+    run_prompt(manager, prompt[:30], namespace="other")  # and bob's
+    assert rule.asked[:2] == [alice, bob]
+    assert {entry.namespace for entry in manager.cache.entries()} == {bob}
+    assert run_prompt(manager, prompt, namespace=bob) < len(prompt)  # bob's own state comes back
+    run_prompt(manager, prompt)
+    assert manager.slot.namespace == manager.settings.namespace == "default"  # outside a tenant
+
+
+def test_the_tenant_rule_example_of_the_docs_runs() -> None:
+    """docs/hooks.md, "Namespaces (tenants)": its example, run as written."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "hooks.md").read_text()
+    section = text[text.index("### Namespaces (tenants)"):]
+    namespace: dict[str, Any] = {}
+    exec(compile(re.search(r"```python\n(.*?)```", section, re.S).group(1), "docs/hooks.md", "exec"), namespace)
+    namespace["test_trial_keys_are_never_cached"](fake_manager)
