@@ -165,11 +165,18 @@ _GOAL = re.compile(r"^(<=|>=|<|>)?\s*(\d[\d,]*(?:\.\d+)?)\s*(%|x|ms|s|B)?(?:\s+\
 _NUMBER = re.compile(r"(\d[\d,]*(?:\.\d+)?)(?:/(\d+))?")
 
 
-def measured_numbers(value: str, percent: bool = False) -> list[float]:
+_RATIO = re.compile(r"(\d[\d,]*(?:\.\d+)?)x\b")
+_WITH_UNIT = re.compile(r"\d\s*[A-Za-wyz]")
+
+
+def measured_numbers(value: str, percent: bool = False, ratio: bool = False) -> list[float]:
     """The numbers a figure's value states for its goal: those before any remark in parentheses, after the last
     ``->`` (a before -> after pair: the goal is the after's), before `` vs `` (the baseline compared with). A
-    fraction ``a/b`` is one number (in percent where the goal is one)."""
+    fraction ``a/b`` is one number (in percent where the goal is one). For a goal that is a ratio (``ratio``), a
+    quantity with its unit followed by its ratio in parentheses (``255 MiB (0.99x the budget)``) states the ratio."""
     text = value.split(" (", 1)[0]
+    if ratio and _WITH_UNIT.search(text) and not _RATIO.search(text) and _RATIO.search(value):
+        return [float(number.replace(",", "")) for number in _RATIO.findall(value)]
     text = text.rsplit("->", 1)[-1]
     text = text.split(" vs ", 1)[0]
     numbers = []
@@ -192,7 +199,8 @@ def goal_status(value: str, goal: str) -> str:
     if not goal:
         return ""
     found = _GOAL.match(goal)
-    numbers = measured_numbers(value, percent=bool(found and found.group(3) == "%"))
+    unit = found.group(3) if found else None
+    numbers = measured_numbers(value, percent=unit == "%", ratio=found is not None and unit in (None, "x"))
     if found is None or not numbers:
         return "not checked"
     operator, bound_text = found.group(1) or "=", found.group(2).replace(",", "")

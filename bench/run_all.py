@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,8 +35,9 @@ SECTIONS_DIR = ROOT / "docs" / "bench-sections"
 """Sections of long benchmarks run on their own (the soak, the integrations, the shared tier): each writes its markdown
 here, and every regeneration of docs/benchmarks.md includes the latest, in file-name order."""
 RESULTS_DIR = BENCH_DIR / "results"
-"""The latest full run of each benchmark (``<name>.json``), and ``sections.json``: the key figures of the sections of
-``SECTIONS_DIR``, each naming the section it comes from."""
+"""The latest full run of each benchmark (``<name>.json``), and ``sections.json``: the key figures the sections of
+``SECTIONS_DIR`` state in their text (those in a table with a ``goal`` column are read from the section itself),
+each naming the section it comes from."""
 BENCHES = ("micro", "lookup", "sharing", "branching", "chat", "speculative")
 # chat.py's --json is its raw per-request record; its section for this page comes through --report-json.
 REPORT_FLAG = {"chat": "--report-json"}
@@ -113,13 +115,47 @@ class SectionFigure:
     source: str  # the section it comes from
 
 
-def section_figures(directory: pathlib.Path = RESULTS_DIR) -> list[SectionFigure]:
-    """The key figures of ``SECTIONS_DIR``'s sections (``sections.json``: benchmark, figure, value, goal, source)."""
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def goal_rows(markdown: str) -> list[tuple[str, str, str]]:
+    """``(figure, value, goal)`` of every row with a goal in the markdown tables of a section whose header has a
+    ``goal`` column; the value is the ``measured`` column's, else the second column's (the server measured)."""
+    rows: list[tuple[str, str, str]] = []
+    lines = markdown.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if not (line.startswith("|") and re.fullmatch(r"\|[\s:|-]+\|", lines[i + 1].strip())):
+            continue  # not a table's header
+        header = [cell.lower() for cell in _cells(line)]
+        if "goal" not in header or len(header) < 3:
+            continue
+        goal_at = header.index("goal")
+        value_at = header.index("measured") if "measured" in header else 1
+        for row in lines[i + 2:]:
+            if not row.startswith("|"):
+                break
+            cells = _cells(row)
+            if len(cells) == len(header) and cells[goal_at]:
+                rows.append((cells[0], cells[value_at], cells[goal_at].removesuffix("x").strip()))
+    return rows
+
+
+def section_figures(directory: pathlib.Path = RESULTS_DIR, sections: pathlib.Path = SECTIONS_DIR
+                    ) -> list[SectionFigure]:
+    """The key figures of ``SECTIONS_DIR``'s sections: the rows with a goal of their tables, then those of
+    ``sections.json`` (benchmark, figure, value, goal, source), figures a section states in its text."""
+    figures = []
+    for path in sorted(sections.glob("*.md")):
+        text = path.read_text()
+        title = text.splitlines()[0].lstrip("# ").strip() if text.strip() else path.stem
+        benchmark = path.stem.split("-", 1)[-1].replace("-", " ")
+        figures += [SectionFigure(benchmark, Figure(name, value, goal), title) for name, value, goal in goal_rows(text)]
     path = directory / "sections.json"
-    if not path.exists():
-        return []
-    return [SectionFigure(row["benchmark"], Figure(row["figure"], row["value"], row.get("goal", "")), row["source"])
-            for row in json.loads(path.read_text())]
+    if path.exists():
+        figures += [SectionFigure(row["benchmark"], Figure(row["figure"], row["value"], row.get("goal", "")),
+                                  row["source"]) for row in json.loads(path.read_text())]
+    return figures
 
 
 def current_commit() -> str:

@@ -42,6 +42,9 @@ def bench() -> Any:
     ("2.77x; 1.75x", "flat in the number of entries", "not checked"),
     ("not measured (no llama-server on PATH)", "<= 0.6", "not checked"),
     ("7.96x", "", ""),
+    ("255 MiB (0.99x the budget)", "<= 1.1", "met"),
+    ("300 MiB (1.17x the budget)", "<= 1.1", "missed"),
+    ("0 B", "0", "met"),
 ])
 def test_goal_status(bench: Any, value: str, goal: str, status: str) -> None:
     common, _ = bench
@@ -54,6 +57,18 @@ def test_the_summary_marks_and_lists_missed_goals(bench: Any) -> None:
     text = run_all.summary([run_all.Section("micro", report, 1.0, 0.0)])
     assert "| **missed** |" in text and "| met " in text
     assert text.endswith("### Goals missed (1)\n\n- micro: a: 1.22x, goal <= 1.15")
+
+
+def test_the_goal_tables_of_a_section_are_its_key_figures(bench: Any, tmp_path: pathlib.Path) -> None:
+    _, run_all = bench
+    (tmp_path / "60-shared-tier.md").write_text(
+        "## Shared tier\n\n| ratio | measured | goal | |\n| --- | --- | --- | --- |\n| moved / same | 1.14x | <= 1.5x "
+        "| met |\n| moved / local | 0.73x | <= 0.25x | missed |\n\n| figure | ckpt-serve | alone | goal |\n| --- | --- | "
+        "--- | --- |\n| 5xx | 0 | 43 | 0 |\n| TTFT p50 | 1.18 s | 11.99 s | |\n")
+    rows = run_all.section_figures(tmp_path / "no-results", tmp_path)
+    assert [(r.benchmark, r.figure.name, r.figure.value, r.figure.goal) for r in rows] == [
+        ("shared tier", "moved / same", "1.14x", "<= 1.5"), ("shared tier", "moved / local", "0.73x", "<= 0.25"),
+        ("shared tier", "5xx", "0", "0")]
 
 
 def test_a_kept_run_is_read_back_with_its_commit(bench: Any, tmp_path: pathlib.Path) -> None:
