@@ -58,7 +58,8 @@ def test_setup_sh_still_sets_up_the_tests_by_default(tmp_path: pathlib.Path) -> 
     assert done.returncode == 0, done.stderr
     calls = log.read_text().splitlines()
     assert "python -m pip install --quiet -e .[test]" in calls
-    assert "apt-get install -y redis-server" in calls and any(" download " in call for call in calls)
+    assert any(call.startswith("apt-get install") and "redis-server" in call for call in calls)
+    assert any(" download " in call for call in calls)
     refused = subprocess.run(["bash", "scripts/setup.sh", "bench"], cwd=repo, env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and refused.stderr.splitlines() == [
         "setup.sh: unknown extra 'bench': give test (the default) or serve"]
