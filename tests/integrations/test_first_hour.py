@@ -137,12 +137,14 @@ def test_a_port_in_use_is_found_before_the_model_loads() -> None:
     assert not embedded_model_file().exists()  # nor assembled: the port is checked first
 
 
-@pytest.mark.parametrize("draft", ["--draft_model", "--draft-model"])
-def test_parallel_slots_with_a_draft_model_are_refused_before_anything_loads(draft: str) -> None:
-    """llama_cpp.server's draft model (prompt lookup) and ckpt-serve's (a GGUF file) alike, on the embedded model."""
-    line = refused([*SERVE, "--parallel", "4", draft, "X"])
-    assert line == (f"ckpt-serve: --parallel with {draft}: parallel slots (parallel > 1) do not support a draft model "
-                    "yet: a draft model's context holds one sequence; serve one with parallel 1")
+def test_two_drafters_for_parallel_slots_are_refused_before_anything_loads(tmp_path: pathlib.Path) -> None:
+    """llama_cpp.server's draft model (prompt lookup) and ckpt-serve's (a GGUF file) together, on the embedded model:
+    a slot drafts with one of them."""
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"GGUF" + bytes(60))
+    line = refused([*SERVE, "--parallel", "4", "--draft_model", "prompt-lookup-decoding", "--draft-model", str(draft)])
+    assert line == ("ckpt-serve: --draft_model with draft-model: a slot drafts with one of them (prompt lookup "
+                    "decoding, or the draft model); choose one")
     assert not embedded_model_file().exists()
 
 
