@@ -331,6 +331,9 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=1,
                         help="ckpt-serve's slots (--parallel N); at N > 1 a greedy answer may differ from the same "
                         "server's earlier one at a near tie (batch numerics), which counts as a wrong answer")
+    parser.add_argument("--draft-model", default=None,
+                        help="ckpt-serve's --draft-model (a GGUF of the same vocabulary; with --parallel N each slot "
+                             "drafts from its own sequence)")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--plot", type=pathlib.Path, default=None)
     parser.add_argument("--markdown", type=pathlib.Path, default=None,
@@ -348,7 +351,9 @@ def main() -> None:
     common = ["--model", args.model, "--n_ctx", "4096", "--n_threads", "2"]
     slots = tempfile.mkdtemp(prefix="soak-slots-")
     plugin = soak_server(common + ["--checkpoint-budget", args.budget, "--slot-save-path", slots,
-                                   "--checkpoint-admin", "true", "--parallel", str(args.parallel)], args, plain=False)
+                                   "--checkpoint-admin", "true", "--parallel", str(args.parallel),
+                                   *(["--draft-model", args.draft_model] if args.draft_model else [])],
+                          args, plain=False)
     plain = None if args.no_plain else soak_server(common, args, plain=True)
     ours = plugin["figures"]
     summary: dict[str, Any] = {"minutes": args.minutes, "clients": args.clients, "budget_bytes": budget,
