@@ -20,13 +20,17 @@ from llama_cpp.llama import Llama
 
 from ckpt_plugin.core.checkpoint import Checkpoint, ExtraState
 from ckpt_plugin.core.entry import CacheEntry
-from ckpt_plugin.core.errors import IncompatibleStateError
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.engine.slot_controller import SlotController
-from ckpt_plugin.hosts.llama_cpp.context import LlamaDraftModel, vocab_digest
+from ckpt_plugin.hosts.llama_cpp.context import LlamaDraftModel
 from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
-from ckpt_plugin.hosts.llama_cpp.speculative import DraftStatePlugin
+from ckpt_plugin.hosts.llama_cpp.speculative import (
+    DRAFT_ENGINE_SETTINGS,
+    DraftStatePlugin,
+    accepted_prefix,
+    check_draft_pair,
+)
 from ckpt_plugin.plugins.hookspecs import hookimpl
 
 
@@ -109,12 +113,7 @@ class SlotDraft(LlamaDraftModel):
         if self._last is None:
             return
         start, drafted = self._last
-        accepted = 0
-        for offset, token in enumerate(drafted):
-            if start + offset >= len(tokens) or int(tokens[start + offset]) != token:
-                break
-            accepted += 1
-        self.drafts.count(scored=len(drafted), accepted=accepted)
+        self.drafts.count(scored=len(drafted), accepted=accepted_prefix(tokens, start, drafted))
 
 
 class SlotDrafts:
@@ -134,18 +133,13 @@ class SlotDrafts:
     """
 
     def __init__(self, draft: Llama, target: Llama, *, n_slots: int, n_ctx: int, n_draft: int = 4) -> None:
-        if n_draft < 1:
-            raise ValueError(f"n_draft must be >= 1, got {n_draft}")
-        if vocab_digest(draft) != vocab_digest(target):
-            raise IncompatibleStateError("the draft model's vocabulary differs from the target's")
+        check_draft_pair(draft, target, n_draft)
         self.llama = draft
         self.n_draft = n_draft
         self.context = SequenceContext(draft, n_slots, n_ctx=n_ctx * n_slots, unified=False)
         self.scheduler = BatchScheduler(self.context)
         self.sequences = [DraftSequence(self.context, i, self.scheduler) for i in range(n_slots)]
-        self.engine = CheckpointManager(self.sequences[0], more_slots=self.sequences[1:], load_entrypoints=False,
-                                        checkpoint_min_step=1 << 30, cache_max_bytes=0, redis_url=None,
-                                        disk_dir=None)
+        self.engine = CheckpointManager(self.sequences[0], more_slots=self.sequences[1:], **DRAFT_ENGINE_SETTINGS)
         self.models = [SlotDraft(self, i) for i in range(n_slots)]
         self.drafted = 0
         self.scored = 0

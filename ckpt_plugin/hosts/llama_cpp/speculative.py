@@ -40,6 +40,30 @@ HEADER = 64
 _MAGIC = b"CKPTDRFT"
 
 
+DRAFT_ENGINE_SETTINGS: dict[str, Any] = {"load_entrypoints": False, "checkpoint_min_step": 1 << 30,
+                                          "cache_max_bytes": 0, "redis_url": None, "disk_dir": None}
+"""A draft's own engine: the target's checkpoints and cache entries carry the draft state, so the draft keeps no
+checkpoints, cache or tiers of its own (``CKPT_REDIS_URL`` or ``CKPT_DISK_DIR`` in the environment are the target's)."""
+
+
+def check_draft_pair(draft: Any, target: Any, n_draft: int) -> None:
+    """Refuse a draft that cannot draft for ``target``: no tokens per call, or another vocabulary."""
+    if n_draft < 1:
+        raise ValueError(f"n_draft must be >= 1, got {n_draft}")
+    if vocab_digest(draft) != vocab_digest(target):
+        raise IncompatibleStateError("the draft model's vocabulary differs from the target's")
+
+
+def accepted_prefix(tokens: np.ndarray, start: int, drafted: Sequence[int]) -> int:
+    """How many of the tokens ``drafted`` after position ``start`` the target kept: those ``tokens`` holds there."""
+    accepted = 0
+    for offset, token in enumerate(drafted):
+        if start + offset >= len(tokens) or int(tokens[start + offset]) != token:
+            break
+        accepted += 1
+    return accepted
+
+
 class DraftModel(LlamaDraftModel):
     """Greedy drafts from a second model, kept in step with the target through its own checkpoint manager.
 
@@ -49,17 +73,10 @@ class DraftModel(LlamaDraftModel):
     """
 
     def __init__(self, draft: Any, target: Any, n_draft: int = 4) -> None:
-        if n_draft < 1:
-            raise ValueError(f"n_draft must be >= 1, got {n_draft}")
-        if vocab_digest(draft) != vocab_digest(target):
-            raise IncompatibleStateError("the draft model's vocabulary differs from the target's")
+        check_draft_pair(draft, target, n_draft)
         self.llama = draft
         self.n_draft = n_draft
-        # The target's checkpoints and cache entries carry the draft state: the draft keeps no cache of its own,
-        # nor a shared tier (CKPT_REDIS_URL in the environment is the target's).
-        self.manager: CheckpointManager = attach(
-            draft, load_entrypoints=False, checkpoint_min_step=1 << 30, cache_max_bytes=0, redis_url=None
-        )
+        self.manager: CheckpointManager = attach(draft, **DRAFT_ENGINE_SETTINGS)
         self.drafted = 0
         self.accepted = 0
         self._last: tuple[int, list[int]] | None = None
@@ -77,11 +94,7 @@ class DraftModel(LlamaDraftModel):
     def _score_last_draft(self, tokens: np.ndarray) -> None:
         if self._last is None:
             return
-        start, drafted = self._last
-        for offset, token in enumerate(drafted):
-            if start + offset >= len(tokens) or int(tokens[start + offset]) != token:
-                break
-            self.accepted += 1
+        self.accepted += accepted_prefix(tokens, *self._last)
 
     def sync(self, tokens: np.ndarray) -> None:
         """Make the draft context hold ``tokens`` (evaluating only what it does not hold yet)."""
