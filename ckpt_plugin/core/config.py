@@ -220,9 +220,9 @@ class ServeSettings(CheckpointSettings):
         32 << 20, ge=1024, description="Largest request body accepted on any route (413 above it)."
     )
     swa_full: bool | None = Field(
-        None,
-        description="Sliding-window models: a full-size window cache (true, llama.cpp's default) or one of the window's "
-        "size (false: far less memory at long contexts; checkpoints keep prefix reuse exact). Unset: llama.cpp's default.",
+        False,
+        description="Sliding-window models: a window cache of the window's size (false, llama-server's default: far "
+        "less memory, and checkpoints keep prefix reuse exact) or a full-size one (true, llama_cpp.Llama's default).",
     )
     shutdown_timeout: float = Field(
         5.0, ge=0, description="Seconds ckpt-serve waits for requests in flight on SIGTERM before closing them."

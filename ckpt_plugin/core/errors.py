@@ -29,6 +29,12 @@ class StateRestoreError(CheckpointError):
     empty, the next request evaluates its prompt in full)."""
 
 
+class PoolFullError(StateRestoreError):
+    """Slots sharing one pool of cells (``--kv-unified``) had no cell left for a step, with every idle slot's cells
+    already freed: the busy slots hold them all. Servers answer 503 (retry later); the request's slot is reconciled
+    with its memory like any refused step."""
+
+
 class CaptureError(CheckpointError, MemoryError):
     """The slot's state could not be captured (allocation failed or llama.cpp wrote fewer bytes than it said)."""
 

@@ -27,6 +27,8 @@ class RequestScope:
     :ivar completion_tokens: Tokens the request's generations produced, as the host counts them in ``usage`` (the
         tokens of a stop string included, an end-of-generation token not); ``None`` until a generation runs on an
         attached model.
+    :ivar unavailable: Why the request failed for want of capacity, not through a fault (a full pool of cells): the
+        server answers 503 with this message instead of the host's 500.
     """
 
     namespace: str | None = None
@@ -36,6 +38,7 @@ class RequestScope:
     deadline: float | None = None
     max_new_tokens: int | None = None
     completion_tokens: int | None = None
+    unavailable: str | None = None
 
     def should_stop(self, generated: int) -> bool:
         """Whether a generation that produced ``generated`` tokens must stop before the next one."""

@@ -6,6 +6,8 @@
   for a client that is gone). The host still sees the disconnect when it asks for one.
 - A streamed response whose generation fails after the stream started (a prompt longer than the context, say) ends
   with an error event and ``data: [DONE]`` instead of an empty, truncated stream.
+- A generation that failed for want of capacity (:attr:`RequestScope.unavailable`: a full pool of cells) is a 503
+  with ``Retry-After``, not the host's 500; in a stream that started, its error event says 503.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import threading
 
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ckpt_plugin.core.errors import PoolFullError
+from ckpt_plugin.core.request import RequestScope
+from ckpt_plugin.http.body_limit import error_response
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -39,11 +45,14 @@ class Generation:
 
     :param app: The host app (wrapped by whatever rewrites its response).
     :param cancelled: Set when the client disconnects.
+    :param request_scope: The request's scope, whose ``unavailable`` turns the host's 500 into a 503.
     """
 
-    def __init__(self, app: ASGIApp, cancelled: threading.Event) -> None:
+    def __init__(self, app: ASGIApp, cancelled: threading.Event, request_scope: RequestScope | None = None) -> None:
         self.app = app
         self.cancelled = cancelled
+        self.request_scope = request_scope
+        self.replaced = False  # the host's failed response was answered with a 503: its messages are dropped
         self.started = False
         self.done_sent = False
         self.closing: Message | None = None
@@ -65,7 +74,12 @@ class Generation:
         app_receive = replay_body(body, disconnect)  # the watcher alone reads the client's messages
 
         async def tracking_send(message: Message) -> None:
+            if self.replaced:
+                return
             if message["type"] == "http.response.start":
+                if message["status"] >= 500 and self._unavailable() is not None:
+                    await self._busy(scope, send)
+                    return
                 self.started = True
             elif message["type"] == "http.response.body":
                 self.done_sent = self.done_sent or b"data: [DONE]" in message.get("body", b"")
@@ -81,6 +95,9 @@ class Generation:
             try:
                 await self.app(scope, app_receive, tracking_send)
             except Exception as exc:
+                if not self.started and not self.replaced and self._unavailable() is not None:
+                    await self._busy(scope, send)
+                    return
                 if not (stream and self.started) or disconnected.is_set():
                     raise
                 log.warning("a streamed generation failed after its response started: %s", _innermost(exc))
@@ -89,6 +106,20 @@ class Generation:
                 tasks.cancel_scope.cancel()
         if self.closing is not None:
             await send(self.closing)
+
+
+    def _unavailable(self) -> str | None:
+        return self.request_scope.unavailable if self.request_scope is not None else None
+
+    async def _busy(self, scope: Scope, send: Send) -> None:
+        self.replaced = True
+        response = error_response(503, "server_busy", self._unavailable() or "the server is busy")
+        response.headers["Retry-After"] = "1"
+
+        async def nothing() -> Message:
+            return {"type": "http.disconnect"}
+
+        await response(scope, nothing, send)
 
 
 def _innermost(exc: BaseException) -> BaseException:
@@ -101,7 +132,11 @@ def _error_event(exc: BaseException) -> bytes:
     """The SSE events that close a failed stream: the error (OpenAI's shape), then ``[DONE]``."""
     inner = _innermost(exc)
     message = str(inner) or type(inner).__name__
-    status = 400 if "exceed context window" in message else 500
-    error = {"error": {"message": message, "type": "invalid_request_error" if status == 400 else "server_error",
-                       "code": status}}
+    if isinstance(inner, PoolFullError):
+        status, kind = 503, "server_busy"
+    elif "exceed context window" in message:
+        status, kind = 400, "invalid_request_error"
+    else:
+        status, kind = 500, "server_error"
+    error = {"error": {"message": message, "type": kind, "code": status}}
     return b"data: " + json.dumps(error).encode() + b"\r\n\r\ndata: [DONE]\r\n\r\n"

@@ -165,7 +165,8 @@ class CheckpointMiddleware:
                 await error_response(503, "server_busy", str(exc))(scope, receive, send)
                 return
         try:
-            generation = Generation(UsageRewriter(self.app, request_scope, body), request_scope.cancelled)
+            generation = Generation(UsageRewriter(self.app, request_scope, body), request_scope.cancelled,
+                                    request_scope)
             await generation(scope, receive, send, body, stream=payload.get("stream") is True)
         finally:
             if admission is not None:

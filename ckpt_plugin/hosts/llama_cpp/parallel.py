@@ -31,6 +31,7 @@ import re
 import weakref
 from typing import Any, Iterator, Sequence
 
+import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaTokenDataArray
 from llama_cpp.llama import Llama
@@ -274,7 +275,9 @@ class ParallelLlama:
         (its owner may be waiting for this very step)."""
         for slot_id in self.leases.idle_oldest_first():
             controller = self.manager.slots[slot_id]
-            if controller.slot.n_tokens == 0 or not controller.lock.acquire(blocking=False):
+            # A slot without tokens may still hold cells: the chunks of a prompt whose evaluation failed.
+            empty = llama_cpp.llama_memory_seq_pos_max(self.context.memory, slot_id) < 0
+            if empty or not controller.lock.acquire(blocking=False):
                 continue
             try:
                 if self.leases.busy(slot_id) or controller.busy:
@@ -311,3 +314,4 @@ class ParallelLlama:
         self.context.close()
         if self.drafts is not None:
             self.drafts.close()
+

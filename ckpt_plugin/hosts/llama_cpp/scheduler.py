@@ -29,13 +29,16 @@ from typing import Callable, Iterator
 import llama_cpp
 import numpy as np
 
-from ckpt_plugin.core.errors import StateRestoreError
+from ckpt_plugin.core.errors import PoolFullError, StateRestoreError
+from ckpt_plugin.core.request import current_request
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceContext
 
 log = logging.getLogger("ckpt_plugin")
 
 _GENERATED_TOKENS = 8
 """Submissions this short are a generated token (or a few drafted ones): they go first in a step."""
+_MAX_STALL_SECONDS = 5.0
+"""Tokens waiting for cells in a shared pool while no step decodes anything: after this long, one is refused."""
 
 
 _next_step = threading.local()
@@ -143,6 +146,8 @@ class BatchScheduler:
         self._pending: deque[_Submission] = deque()
         self._generating: dict[int, int] = {}
         self._closed = False
+        self._stalled = False  # the last step put prompts back to wait for cells: the next waits for a change
+        self._stalled_since: float | None = None  # since when steps decoded nothing for want of cells
         self._batch = llama_cpp.llama_batch_init(context.n_batch, 0, 1)
         n = context.n_batch
         self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(n,))
@@ -229,6 +234,9 @@ class BatchScheduler:
         release_hold()  # queued: the step waiting for the context carries it
         submission.done.wait()
         if submission.error is not None:
+            scope = current_request.get()
+            if isinstance(submission.error, PoolFullError) and scope is not None:
+                scope.unavailable = str(submission.error)
             raise submission.error
         return submission.outputs
 
@@ -275,6 +283,11 @@ class BatchScheduler:
                             if submission in self._pending:
                                 self._pending.remove(submission)
                             submission.done.set()
+            if self._stalled:
+                # Waiting prompts: until a generation submits or ends (or briefly), not in a loop on the context.
+                self._stalled = False
+                with self._cond:
+                    self._cond.wait(self.max_wait)
 
     def _gather(self) -> None:
         """Wait (boundedly) until every generating slot that is between two tokens has submitted its next ones, if
@@ -317,7 +330,8 @@ class BatchScheduler:
         step.sort(key=lambda entry: entry[0].seq_id)
         return step
 
-    def _decode(self, step: list[tuple[_Submission, int, int]]) -> None:
+    def _submit(self, step: list[tuple[_Submission, int, int]]) -> int:
+        """Decode ``step``; llama.cpp's status. The context is held."""
         batch, at = self._batch, 0
         for submission, start, count in step:
             end = at + count
@@ -329,33 +343,94 @@ class BatchScheduler:
             at = end
         batch.n_tokens = at
         context = self.context
+        status = int(llama_cpp.llama_decode(context.ctx, batch))
+        # No room in a pool of cells the slots share (llama.cpp changed nothing): the context frees an idle slot's
+        # cells and the step is tried again (SequenceContext.make_room).
+        while status == 1 and context.make_room is not None and context.make_room():
+            status = int(llama_cpp.llama_decode(context.ctx, batch))
+        return status
+
+    def _without_room(
+        self, step: list[tuple[_Submission, int, int]]
+    ) -> tuple[list[tuple[_Submission, int, int]], list[tuple[_Submission, int, int]], int]:
+        """A shared pool had no cell for ``step`` with every idle slot's freed: ``(decoded, refused, status)``.
+
+        Running generations come first: prompts give way to their tokens, and are refused if even those do not fit
+        (a refused request's cells are freed once it ends). Otherwise the longest sequence of the step is refused
+        when several generations collide, or when no step has been decoded for :data:`_MAX_STALL_SECONDS` (prompts
+        that filled the pool together wait for each other). The rest waits for cells (a slot whose request ends is
+        freed at the next step). llama-server refuses every slot of such a batch at once.
+        """
+        prompts = [entry for entry in step if len(entry[0].tokens) > _GENERATED_TOKENS]
+        tokens = [entry for entry in step if len(entry[0].tokens) <= _GENERATED_TOKENS]
+        refused: list[tuple[_Submission, int, int]] = []
+        waiting = prompts
+        if tokens and prompts:
+            status = self._submit(tokens)
+            if status != 1:
+                self._defer(prompts)
+                return tokens, [], status
+            refused, waiting = prompts, tokens
+        elif tokens:
+            waiting = tokens
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+        stuck = now - self._stalled_since >= _MAX_STALL_SECONDS
+        if not refused and (len(tokens) > 1 or stuck):
+            longest = max(waiting, key=lambda entry: int(entry[0].positions[entry[1]]))
+            refused, waiting = [longest], [entry for entry in waiting if entry is not longest]
+            self._stalled_since = now
+        self._defer(waiting)
+        self._stalled = True
+        return [], refused, 0
+
+    def _defer(self, entries: list[tuple[_Submission, int, int]]) -> None:
+        """Put these chunks back at the front of the queue, untaken."""
+        with self._cond:
+            for submission, start, _ in reversed(entries):
+                submission.taken = start
+                if submission not in self._pending:
+                    self._pending.appendleft(submission)
+
+    def _decode(self, step: list[tuple[_Submission, int, int]]) -> None:
+        context = self.context
         for submission, start, _ in step:
             if start == 0 and submission.at_step:
-                _run_callbacks(submission.at_step)
+                callbacks, submission.at_step = submission.at_step, None
+                _run_callbacks(callbacks)
+        refused: list[tuple[_Submission, int, int]] = []
         with context.lock:
             started = time.perf_counter()
             _decoding.add(id(self))
             try:
-                status = int(llama_cpp.llama_decode(context.ctx, batch))
-                # No room in a pool of cells the slots share (llama.cpp changed nothing): the context frees an idle
-                # slot's cells and the step is tried again (SequenceContext.make_room).
-                while status == 1 and context.make_room is not None and context.make_room():
-                    status = int(llama_cpp.llama_decode(context.ctx, batch))
+                status = self._submit(step)
+                if status == 1 and context.make_room is not None:
+                    step, refused, status = self._without_room(step)
             finally:
                 _decoding.discard(id(self))
             self.decode_seconds += time.perf_counter() - started
             if status == 0:
                 self._collect(step)
-        self.steps += 1
-        self.batched_tokens += at
-        self.shared_steps += len({submission.seq_id for submission, _, _ in step}) > 1
-        for submission, start, count in step:
-            if status != 0:
+        if step and status == 0:
+            self._stalled_since = None
+        if step:
+            self.steps += 1
+            self.batched_tokens += sum(count for _, _, count in step)
+            self.shared_steps += len({submission.seq_id for submission, _, _ in step}) > 1
+        failed = refused if status == 0 else step + refused
+        for submission, start, count in failed:
+            if (submission, start, count) in refused:
+                submission.error = PoolFullError(
+                    f"the {context.n_ctx} cells the slots share are all held by busy slots: no room for sequence "
+                    f"{submission.seq_id}'s next {count} tokens; retry when a request has finished, or raise --n_ctx")
+            else:
                 submission.error = StateRestoreError(
                     f"llama_decode failed with {status} on sequence {submission.seq_id}")
-                with self._cond:
-                    if submission in self._pending:  # its later chunks are not evaluated either
-                        self._pending.remove(submission)
+            with self._cond:
+                if submission in self._pending:  # its later chunks are not evaluated either
+                    self._pending.remove(submission)
+        step = step + refused
         finished = {submission.seq_id for submission, start, count in step if start + count == len(submission.tokens)}
         now = time.monotonic()
         with self._cond:
@@ -375,4 +450,5 @@ class BatchScheduler:
                     submission.outputs[submission.rows] = np.ctypeslib.as_array(row, shape=(n_vocab,))
                     submission.rows += 1
             at += count
+
 
