@@ -17,7 +17,8 @@ runs only those. ``--shared-system N``: every user gets one N-token system promp
 instead of one of its own. Peak resident memory: ``VmHWM`` of the server process after the run.
 
 Run: ``.venv/bin/python bench/chat.py --concurrent 8,16`` (or this file: ``--users 8,16``, ``--turns 3``,
-``--repeats 2``, ``--markdown OUT``, ``--report-json OUT``).
+``--repeats 2``, ``--markdown OUT``, ``--report-json OUT``). ``p8u`` and ``ls8u`` (``--servers``): eight slots over
+one pool of the cells of four streams, ckpt-serve ``--parallel 8 --kv-unified true`` and ``llama-server -np 8 -kvu``.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class Outcome:
         return sorted(t.ttft for t in self.turns if t.turn > 0 and t.ttft is not None)
 
 
+ONLY_WHEN_NAMED = {"p8u", "ls8u"}
+"""Servers run only when ``--servers`` names them."""
+
+
 def servers(model: str, host_alone: bool, fixed: bool = False, unified: int = 0) -> list[Config]:
     python = sys.executable
     settings = ["--model", model, "--n_ctx", str(N_CTX), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
@@ -90,14 +95,18 @@ def servers(model: str, host_alone: bool, fixed: bool = False, unified: int = 0)
     if unified:  # one pool of ``unified`` cells: --n_ctx is the pool's size
         pooled = [*ours, "--parallel", "4", "--kv-unified", "true", "--n_ctx", str(unified)]
         out.append(Config("p4u", f"ckpt-serve --parallel 4 --kv-unified --n_ctx {unified}", pooled, ckpt=True))
+    # Eight slots over the cells of four streams (one pool): more requests in flight at once, the same KV memory.
+    wide = [*ours, "--parallel", "8", "--kv-unified", "true", "--n_ctx", str(4 * N_CTX)]
+    out.append(Config("p8u", f"ckpt-serve --parallel 8 --kv-unified true --n_ctx {4 * N_CTX}", wide, ckpt=True))
     if host_alone:
         out.append(Config("host", "llama_cpp.server", [python, "-m", "llama_cpp.server", *settings]))
     binary = shutil.which("llama-server")
     if binary:
-        for n in (4, 1):
-            out.append(Config(f"ls{n}", f"llama-server -np {n}", [
-                binary, "-m", model, "-c", str(N_CTX * n), "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t",
-                str(N_THREADS), "-tb", str(N_THREADS), "-np", str(n), "--seed", "0",
+        for key, n, flags in (("ls4", 4, []), ("ls1", 1, []), ("ls8u", 8, ["-kvu"])):
+            cells = N_CTX * (4 if flags else n)
+            out.append(Config(key, " ".join([f"llama-server -np {n}", *flags] + ([f"-c {cells}"] if flags else [])), [
+                binary, "-m", model, "-c", str(cells), "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t",
+                str(N_THREADS), "-tb", str(N_THREADS), "-np", str(n), *flags, "--seed", "0",
                 "--chat-template-file", str(ROOT / "bench" / template)], health="/health", llama_server=True))
     return out
 
@@ -208,14 +217,15 @@ def run(users: Sequence[int], turns: int, max_tokens: int, host_alone: bool, rep
                 "machine falls on all of them.")
     for n_users in users:
         plan = conversations(n_users, turns, count, shared_system)
-        configs = [c for c in servers(model, host_alone, fixed, unified) if not only or c.key in only]
+        configs = [c for c in servers(model, host_alone, fixed, unified)
+                   if (c.key in only if only else c.key not in ONLY_WHEN_NAMED)]
         runs: dict[str, list[Outcome]] = {config.key: [] for config in configs}
         for round_ in range(repeats):
             for config in configs if round_ % 2 == 0 else configs[::-1]:
                 runs[config.key].append(run_server(config, plan, max_tokens, fixed))
         # Each server against its one-slot counterpart's first round: ckpt-serve against --parallel 1, llama-server
         # against -np 1 (the two evaluate in other batch splits, so their own replies differ at near ties).
-        one_slot = {"p1": "p1", "p4": "p1", "ls4": "ls1", "ls1": "ls1"}
+        one_slot = {"p1": "p1", "p4": "p1", "ls4": "ls1", "ls1": "ls1", "ls8u": "ls1"}
         rows = []
         walls: dict[str, float] = {}
         p50s: dict[str, float] = {}
@@ -247,6 +257,12 @@ def run(users: Sequence[int], turns: int, max_tokens: int, host_alone: bool, rep
             for name, ours, theirs in (("wall", walls, walls), ("TTFT p50", p50s, p50s), ("TTFT p95", p95s, p95s)):
                 report.figure(f"{n_users} users: {name} --parallel 4 / llama-server -np 4",
                               f"{ours['p4'] / theirs['ls4']:.2f}x", "<= 1.0x")
+        for key, label in (("p8u", "--parallel 8 --kv-unified"), ("p4", "--parallel 4")):
+            for other, other_label in (("ls4", "llama-server -np 4"), ("ls8u", "llama-server -np 8 -kvu")):
+                if key in walls and other in walls and (key, other) != ("p4", "ls4"):
+                    for name, values in (("wall", walls), ("TTFT p50", p50s)):
+                        report.figure(f"{n_users} users: {name} {label} / {other_label}",
+                                      f"{values[key] / values[other]:.2f}x")
     return report
 
 
@@ -263,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--kv-unified", type=int, nargs="?", const=4 * N_CTX, default=0, metavar="CELLS",
                         help="also ckpt-serve --parallel 4 --kv-unified true with a pool of CELLS (default: the "
                         "cells of --parallel 4's streams)")
-    parser.add_argument("--servers", default="", help="only these servers, comma-separated (p1,p4,p4u,host,ls4,ls1)")
+    parser.add_argument("--servers", default="", help="only these servers, comma-separated (p1,p4,p4u,p8u,host,ls4,ls1,ls8u)")
     parser.add_argument("--shared-system", type=int, default=0,
                         help="one system prompt of this many tokens for every user (default: one of its own each)")
     parser.add_argument("--markdown", type=pathlib.Path)

@@ -48,6 +48,29 @@ class CacheEntry:
         for checkpoint in self.checkpoints:
             yield from checkpoint.buffers()
 
+    def superseded_by(self, newer: CacheEntry) -> bool:
+        """Whether ``newer`` serves every prompt this entry serves, but those that continue this entry's own last
+        tokens past where ``newer`` left them: the two agree at least up to this entry's last checkpoint, and
+        ``newer`` holds all of this entry's checkpoints.
+
+        That is the turn after a reply the client sent back changed (reasoning or whitespace stripped, a fixed
+        reply, an edit): the conversation went on from the checkpoint before the reply, and nobody asks for the
+        reply this entry generated again. An entry without checkpoints (plain attention, which a full state serves
+        at any length) is never superseded so, nor is one whose tokens ``newer`` holds in full (that is an ancestor).
+        """
+        if not self.checkpoints or newer.namespace != self.namespace or newer.fingerprint != self.fingerprint:
+            return False
+        last = self.checkpoints[-1].n_tokens
+        n = min(len(self.tokens), len(newer.tokens))
+        if n < last:
+            return False
+        differ = np.flatnonzero(self.tokens[:n] != newer.tokens[:n])
+        common = int(differ[0]) if len(differ) else n
+        if common < last or common >= len(self.tokens):
+            return False
+        theirs = {id(c) for c in newer.checkpoints}
+        return all(id(c) in theirs for c in self.checkpoints)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the unique buffers of this entry."""

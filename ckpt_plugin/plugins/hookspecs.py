@@ -260,7 +260,8 @@ def on_cache_evict(manager: EngineView, entry: CacheEntry, reason: str) -> None:
 
     :param manager: The calling manager.
     :param entry: The entry (still valid for holders of a reference).
-    :param reason: ``"budget"``, ``"replaced"`` (a longer entry of the same lineage superseded it) or ``"cleared"``.
+    :param reason: ``"budget"``, ``"replaced"`` (a newer entry serves what it served: a longer entry of its
+        lineage, or a turn that went on from its last checkpoint) or ``"cleared"``.
     """
 
 

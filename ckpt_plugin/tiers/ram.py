@@ -224,7 +224,9 @@ class PromptCache:
         """Add ``entry``, evicting what the budget requires.
 
         An entry with the same tokens is replaced; entries of the same lineage that are strict prefixes of the new
-        one (all their checkpoints are in it) are dropped, since the new entry serves every prompt they serve.
+        one (all their checkpoints are in it) are dropped, since the new entry serves every prompt they serve; so are
+        entries it supersedes (:meth:`CacheEntry.superseded_by`: the conversation went on from their last checkpoint
+        with other tokens than theirs).
 
         :param admit: Called with :meth:`unshared_bytes`; ``False`` keeps the entry out.
         :param select_victims: Picks victims among LRU-ordered entries for a byte shortfall (default: LRU order).
@@ -250,6 +252,9 @@ class PromptCache:
             if all(id(c) in mine for c in ancestor.checkpoints):
                 self.remove(ancestor)
                 removed.append((ancestor, "replaced"))
+        for older in [e for e in self._lru.values() if e is not entry and e.superseded_by(entry)]:
+            self.remove(older)
+            removed.append((older, "replaced"))
         return True, removed
 
     def admit(self, entry: CacheEntry, admission: Admission) -> bool:

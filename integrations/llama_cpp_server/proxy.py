@@ -143,6 +143,13 @@ class CheckpointLlamaProxy(LlamaProxy):
         """``stats()`` of every model loaded so far, by alias: the loaded one's live (``"loaded": True``), the others'
         as they were when the server switched away from them (``"loaded": False``)."""
         live = {name: {**manager.stats(), "loaded": True} for name, manager in dict(self.managers).items()}
+        parallel = self.parallel
+        for name, stats in live.items():
+            stats["batching"] = None
+            if parallel is not None and self.managers.get(name) is parallel.manager:
+                stats["batching"] = parallel.scheduler.stats()
+                if parallel.drafts is not None:
+                    stats["batching"]["draft"] = parallel.drafts.scheduler.stats()
         return {**{name: stats for name, stats in dict(self._unloaded).items() if name not in live}, **live}
 
 

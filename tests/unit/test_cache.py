@@ -134,6 +134,26 @@ def test_longer_entry_of_same_lineage_replaces_its_prefix() -> None:
     assert {id(e) for e in cache.entries()} == {id(other), id(long)}
 
 
+def test_a_turn_that_went_on_from_an_entrys_last_checkpoint_supersedes_it() -> None:
+    # Turn 1 ends with a generated reply (5, 6); turn 2 sent another reply back (7) after the checkpoint at 4.
+    cache = PromptCache()
+    shared, at_prompt_end = checkpoint(2), checkpoint(4)
+    turn1 = entry([1, 2, 3, 4, 5, 6], checkpoints=(shared, at_prompt_end))
+    branch = entry([1, 2, 3, 9, 9, 9], checkpoints=(shared, checkpoint(3)))  # left before turn 1's last checkpoint
+    plain = entry([1, 2, 3, 4, 8, 8])  # no checkpoints: a full state that serves any of its prefixes
+    foreign = entry([1, 2, 3, 4, 5, 6, 1], checkpoints=(shared, at_prompt_end), namespace="other")
+    for e in (turn1, branch, plain, foreign):
+        cache.insert(e)
+    turn2 = entry([1, 2, 3, 4, 7, 7, 7], checkpoints=(shared, at_prompt_end, checkpoint(6)))
+    cache.insert(turn2)
+    assert {id(e) for e in cache.entries()} == {id(branch), id(plain), id(foreign), id(turn2)}
+    # Without turn 1's own checkpoints, turn 2 would serve less than it: both stay.
+    cache = PromptCache()
+    cache.insert(turn1)
+    cache.insert(entry([1, 2, 3, 4, 7, 7, 7], checkpoints=(shared, checkpoint(4))))
+    assert len(cache) == 2
+
+
 def test_namespaces_are_partitions() -> None:
     cache = PromptCache()
     cache.insert(entry([1, 2, 3], namespace="tenant-a"))

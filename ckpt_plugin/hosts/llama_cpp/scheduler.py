@@ -148,6 +148,7 @@ class BatchScheduler:
         self._closed = False
         self._stalled = False  # the last step put prompts back to wait for cells: the next waits for a change
         self._stalled_since: float | None = None  # since when steps decoded nothing for want of cells
+        self._refused_in_stall = False  # a request was refused since then: wait for its cells before another
         self._batch = llama_cpp.llama_batch_init(context.n_batch, 0, 1)
         n = context.n_batch
         self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(n,))
@@ -205,6 +206,12 @@ class BatchScheduler:
                     del self._generating[seq_id]
                     self._comeback.pop(seq_id, None)
                 self._cond.notify_all()
+
+    def stats(self) -> dict[str, float]:
+        """The counters above, and the mean batch, as ``/checkpoints/stats`` shows them under ``batching``."""
+        return {"steps": self.steps, "batched_tokens": self.batched_tokens, "shared_steps": self.shared_steps,
+                "mean_batch": self.batched_tokens / self.steps if self.steps else 0.0,
+                "decode_seconds": self.decode_seconds, "idle_seconds": self.idle_seconds}
 
     def decode(self, seq_id: int, tokens: np.ndarray, n_past: int, first: int) -> np.ndarray:
         """Evaluate ``tokens`` on sequence ``seq_id`` at positions ``n_past...``; block until done.
@@ -355,32 +362,29 @@ class BatchScheduler:
     ) -> tuple[list[tuple[_Submission, int, int]], list[tuple[_Submission, int, int]], int]:
         """A shared pool had no cell for ``step`` with every idle slot's freed: ``(decoded, refused, status)``.
 
-        Running generations come first: prompts give way to their tokens, and are refused if even those do not fit
-        (a refused request's cells are freed once it ends). Otherwise the longest sequence of the step is refused
-        when several generations collide, or when no step has been decoded for :data:`_MAX_STALL_SECONDS` (prompts
-        that filled the pool together wait for each other). The rest waits for cells (a slot whose request ends is
-        freed at the next step). llama-server refuses every slot of such a batch at once.
+        Running generations come first: prompts give way to their tokens and wait for cells (a slot whose request
+        ends is freed at the next step). When the generations' tokens themselves do not fit, one request is refused
+        (a prompt first, else the longest generation), and its cells come back once it ends; the others wait.
+        Another is refused only after :data:`_MAX_STALL_SECONDS` without a step decoded (prompts that filled the
+        pool together wait for each other that long). llama-server refuses every slot of such a batch at once.
         """
         prompts = [entry for entry in step if len(entry[0].tokens) > _GENERATED_TOKENS]
         tokens = [entry for entry in step if len(entry[0].tokens) <= _GENERATED_TOKENS]
-        refused: list[tuple[_Submission, int, int]] = []
-        waiting = prompts
         if tokens and prompts:
             status = self._submit(tokens)
             if status != 1:
                 self._defer(prompts)
                 return tokens, [], status
-            refused, waiting = prompts, tokens
-        elif tokens:
-            waiting = tokens
         now = time.monotonic()
         if self._stalled_since is None:
-            self._stalled_since = now
-        stuck = now - self._stalled_since >= _MAX_STALL_SECONDS
-        if not refused and (len(tokens) > 1 or stuck):
-            longest = max(waiting, key=lambda entry: int(entry[0].positions[entry[1]]))
-            refused, waiting = [longest], [entry for entry in waiting if entry is not longest]
-            self._stalled_since = now
+            self._stalled_since, self._refused_in_stall = now, False
+        collided = bool(tokens) and (bool(prompts) or len(tokens) > 1)
+        refused: list[tuple[_Submission, int, int]] = []
+        waiting = step
+        if (collided and not self._refused_in_stall) or now - self._stalled_since >= _MAX_STALL_SECONDS:
+            longest = max(prompts or tokens, key=lambda entry: int(entry[0].positions[entry[1]]))
+            refused, waiting = [longest], [entry for entry in step if entry is not longest]
+            self._stalled_since, self._refused_in_stall = now, True
         self._defer(waiting)
         self._stalled = True
         return [], refused, 0
