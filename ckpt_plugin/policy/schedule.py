@@ -84,12 +84,13 @@ def want_checkpoint(
 ) -> bool:
     """Whether to take a checkpoint with ``position`` prompt tokens in memory.
 
-    Taken only on memories that need checkpoints, never on an empty memory (``pos_min < 0``) nor past the prompt's
-    end. At :func:`prompt_end_checkpoint` and at the prompt's ``branch`` point (:func:`branch_point`); elsewhere when
+    Taken only on memories that need checkpoints and where some are kept (``max_checkpoints`` above 0), never on an
+    empty memory (``pos_min < 0``) nor past the prompt's end. At :func:`prompt_end_checkpoint` and at the prompt's ``branch`` point (:func:`branch_point`); elsewhere when
     at least ``min_step`` tokens past the newest checkpoint; in each case only if the capture pays for itself
     (:meth:`CheckpointRules.capture_pays`: always, unless copying is dearer than evaluating the tokens it saves).
     """
-    if not kind.needs_checkpoints or pos_min < 0 or position <= 0 or position > prompt_end:
+    if not kind.needs_checkpoints or rules.max_checkpoints == 0 or pos_min < 0 or position <= 0 \
+            or position > prompt_end:
         return False
     if checkpoints and checkpoints[-1].n_tokens >= position:
         return False
@@ -115,7 +116,7 @@ def pause_points(
     :param last_checkpoint: ``n_tokens`` of the slot's newest checkpoint (0 if none).
     :param branch: The prompt's :func:`branch_point` (0 if none), a pause of its own.
     """
-    if not kind.needs_checkpoints or end - start < 2:
+    if not kind.needs_checkpoints or rules.max_checkpoints == 0 or end - start < 2:
         return []
     points: set[int] = set()
     step = max(1, rules.min_step)

@@ -90,7 +90,7 @@ class ViewBackend(HostRows, SequenceBackend):
         except BaseException:
             self.evaluated(None)
             raise
-        self.evaluated(n_past + len(chunk))
+        self.evaluated(n_past + len(chunk), self.scheduler.pos_min_after.get(self.seq_id))
         return self.last_outputs
 
 

@@ -99,7 +99,8 @@ def _run_callbacks(callbacks: list[Callable[[], None]]) -> None:
 class _Submission:
     """Tokens of one slot waiting for evaluation, with the logits rows it asked for."""
 
-    __slots__ = ("seq_id", "tokens", "positions", "flags", "outputs", "taken", "rows", "done", "error", "at_step")
+    __slots__ = ("seq_id", "tokens", "positions", "flags", "outputs", "taken", "rows", "done", "error", "at_step",
+                 "pos_min")
 
     def __init__(self, seq_id: int, tokens: np.ndarray, n_past: int, first: int, n_vocab: int) -> None:
         n = len(tokens)
@@ -114,6 +115,7 @@ class _Submission:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.at_step: list[Callable[[], None]] | None = None
+        self.pos_min: int | None = None  # the sequence's smallest position after its last chunk's step
 
     @property
     def remaining(self) -> int:
@@ -145,6 +147,8 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._pending: deque[_Submission] = deque()
         self._generating: dict[int, int] = {}
+        # Per sequence, its smallest position after its last evaluation (None: not read, as in a shared pool).
+        self.pos_min_after: dict[int, int | None] = {}
         self._closed = False
         self._stalled = False  # the last step put prompts back to wait for cells: the next waits for a change
         self._stalled_since: float | None = None  # since when steps decoded nothing for want of cells
@@ -240,6 +244,7 @@ class BatchScheduler:
             self._cond.notify_all()
         release_hold()  # queued: the step waiting for the context carries it
         submission.done.wait()
+        self.pos_min_after[seq_id] = submission.pos_min
         if submission.error is not None:
             scope = current_request.get()
             if isinstance(submission.error, PoolFullError) and scope is not None:
@@ -416,6 +421,11 @@ class BatchScheduler:
             self.decode_seconds += time.perf_counter() - started
             if status == 0:
                 self._collect(step)
+                if not context.unified:  # read now, so that the slot need not wait for the next step to ask
+                    for submission, start, count in step:
+                        if start + count == len(submission.tokens):
+                            submission.pos_min = int(
+                                llama_cpp.llama_memory_seq_pos_min(context.memory, submission.seq_id))
         if step and status == 0:
             self._stalled_since = None
         if step:

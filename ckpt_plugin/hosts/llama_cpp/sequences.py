@@ -140,6 +140,10 @@ class SequenceBackend:
         # _pos_max: what llama.cpp answers for the sequence's largest position (a sliding-window memory answers for
         # its window, so this is not end_bound - 1 after a partial restore).
         self._pos_max: int | None = None
+        # _pos_min: llama.cpp's answer for the smallest position, as the batched step that last evaluated the
+        # sequence read it. Only trusted where the sequence has a KV stream of its own: in a pool another
+        # sequence's step may take a masked window cell of this one.
+        self._pos_min: int | None = None
         # (namespace, tokens) the cells hold from position 0, for other sequences of a unified cache to share
         # (share_prefix). Set by the slot's own thread where its record and memory agree (publish); cut back under
         # the context lock by every call that removes or replaces cells, before it does: a reader holding the lock
@@ -148,12 +152,14 @@ class SequenceBackend:
         # Set where other sequences may share this one's cells: called after each publication.
         self.on_publish: Callable[[], None] | None = None
 
-    def evaluated(self, end: int | None) -> None:
+    def evaluated(self, end: int | None, pos_min: int | None = None) -> None:
         """The sequence, cut to some ``n_past`` first, got positions ``n_past..end - 1`` from a caller other than
-        this backend (a batched step); ``None``: an evaluation that failed part-way, its end is unknown."""
+        this backend (a batched step); ``None``: an evaluation that failed part-way, its end is unknown.
+        ``pos_min``: the sequence's smallest position after the step, if the step read it."""
         bound = self.end_bound
         self.end_bound = None if end is None or bound is None else max(bound, end)
         self._pos_max = None if end is None else end - 1
+        self._pos_min = pos_min if end is not None and not self.context.unified else None
 
     def remove(self, p0: int, p1: int) -> bool:
         """Remove positions ``[p0, p1)`` (negative: from the start, to the end), as ``llama_memory_seq_rm``."""
@@ -169,7 +175,8 @@ class SequenceBackend:
         return removed
 
     def _ask_pos_max(self) -> int:
-        # The lock is held.
+        # The lock is held. Whatever changed the largest position may have changed the smallest.
+        self._pos_min = None
         self._pos_max = int(llama_cpp.llama_memory_seq_pos_max(self.context.memory, self.seq_id))
         return self._pos_max
 
@@ -244,6 +251,9 @@ class SequenceBackend:
         return True
 
     def pos_min(self) -> int:
+        known = self._pos_min
+        if known is not None:
+            return known  # without waiting for the other slots' step in flight
         with self.context.lock:
             return int(llama_cpp.llama_memory_seq_pos_min(self.context.memory, self.seq_id))
 
@@ -261,7 +271,8 @@ class SequenceBackend:
         self.remove(-1, -1)
 
     def decode(self, tokens: np.ndarray) -> None:
-        self.end_bound = self._pos_max = None  # the context's decode appends after whatever the sequence holds
+        # The context's decode appends after whatever the sequence holds.
+        self.end_bound = self._pos_max = self._pos_min = None
         self.context.decode(self.seq_id, tokens)
 
     def logits(self) -> np.ndarray:

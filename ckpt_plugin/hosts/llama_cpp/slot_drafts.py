@@ -58,7 +58,7 @@ class DraftSequence(SequenceBackend):
         except BaseException:
             self.evaluated(None)
             raise
-        self.evaluated(n_past + len(tokens))
+        self.evaluated(n_past + len(tokens), self.scheduler.pos_min_after.get(self.seq_id))
         self.last_row = rows[-1]
 
 

@@ -41,9 +41,11 @@ _MAGIC = b"CKPTDRFT"
 
 
 DRAFT_ENGINE_SETTINGS: dict[str, Any] = {"load_entrypoints": False, "checkpoint_min_step": 1 << 30,
-                                          "cache_max_bytes": 0, "redis_url": None, "disk_dir": None}
+                                          "max_checkpoints": 0, "cache_max_bytes": 0, "redis_url": None,
+                                          "disk_dir": None}
 """A draft's own engine: the target's checkpoints and cache entries carry the draft state, so the draft keeps no
-checkpoints, cache or tiers of its own (``CKPT_REDIS_URL`` or ``CKPT_DISK_DIR`` in the environment are the target's)."""
+checkpoints, cache or tiers of its own (``CKPT_REDIS_URL`` or ``CKPT_DISK_DIR`` in the environment are the target's).
+Its cuts after rejected drafts are a few tokens, which a sliding window's live cells serve."""
 
 
 def check_draft_pair(draft: Any, target: Any, n_draft: int) -> None:
