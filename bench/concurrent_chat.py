@@ -279,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--kv-unified", type=int, nargs="?", const=4 * N_CTX, default=0, metavar="CELLS",
                         help="also ckpt-serve --parallel 4 --kv-unified true with a pool of CELLS (default: the "
                         "cells of --parallel 4's streams)")
-    parser.add_argument("--servers", default="", help="only these servers, comma-separated (p1,p4,p4u,p8u,host,ls4,ls1,ls8u)")
+    parser.add_argument("--servers", default="",
+                        help="only these servers, comma-separated (p1,p4,p4u,p8u,host,ls4,ls1,ls8u)")
     parser.add_argument("--shared-system", type=int, default=0,
                         help="one system prompt of this many tokens for every user (default: one of its own each)")
     parser.add_argument("--markdown", type=pathlib.Path)

@@ -6,8 +6,8 @@ and the figure to read is the machinery's: acceptance, drafting steps shared by 
 next to a target step. Prompts repeat themselves, as code and chat histories do, which gives both drafters something to
 agree on. With C++ ``llama-server`` on ``PATH`` (``bash bench/build_llama_server.sh``), the same prompts (as token
 ids) go to ``llama-server -np 4`` without and with ``-md --spec-type draft-simple`` (the same file as draft, 4
-tokens a step, no minimum probability) through ``/completion``, four at a time; its decode speed is its own ``timings`` (tokens after the first
-over the time they took), its acceptance ``draft_n_accepted / draft_n``. Writes
+tokens a step, no minimum probability) through ``/completion``, four at a time; its decode speed is its own
+``timings`` (tokens after the first over the time they took), its acceptance ``draft_n_accepted / draft_n``. Writes
 ``docs/bench-sections/46-parallel-speculative.md``.
 """
 
@@ -89,8 +89,8 @@ def run_llama_server(binary: str, with_draft: bool, batch: list[list[int]], n_ge
     command = [binary, "-m", model, "-c", str(2048 * SLOTS), "-np", str(SLOTS), "-b", "512", "-ub", "512", "-t", "2",
                "-tb", "2", "--seed", "0"]
     if with_draft:
-        command += ["-md", model, "--spec-type", "draft-simple", "--spec-draft-n-max", "4", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
-                    "-td", "2", "-tbd", "2"]
+        command += ["-md", model, "--spec-type", "draft-simple", "--spec-draft-n-max", "4", "--spec-draft-n-min", "0",
+                    "--spec-draft-p-min", "0", "-td", "2", "-tbd", "2"]
     label = f"llama-server -np {SLOTS}" + (" -md" if with_draft else "")
     with start(Config("ls", label, command, health="/health", llama_server=True)) as server:
 

@@ -107,7 +107,6 @@ class Generation:
         if self.closing is not None:
             await send(self.closing)
 
-
     def _unavailable(self) -> str | None:
         return self.request_scope.unavailable if self.request_scope is not None else None
 

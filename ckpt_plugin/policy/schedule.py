@@ -85,9 +85,10 @@ def want_checkpoint(
     """Whether to take a checkpoint with ``position`` prompt tokens in memory.
 
     Taken only on memories that need checkpoints and where some are kept (``max_checkpoints`` above 0), never on an
-    empty memory (``pos_min < 0``) nor past the prompt's end. At :func:`prompt_end_checkpoint` and at the prompt's ``branch`` point (:func:`branch_point`); elsewhere when
-    at least ``min_step`` tokens past the newest checkpoint; in each case only if the capture pays for itself
-    (:meth:`CheckpointRules.capture_pays`: always, unless copying is dearer than evaluating the tokens it saves).
+    empty memory (``pos_min < 0``) nor past the prompt's end. At :func:`prompt_end_checkpoint` and at the prompt's
+    ``branch`` point (:func:`branch_point`); elsewhere when at least ``min_step`` tokens past the newest checkpoint;
+    in each case only if the capture pays for itself (:meth:`CheckpointRules.capture_pays`: always, unless copying
+    is dearer than evaluating the tokens it saves).
     """
     if not kind.needs_checkpoints or rules.max_checkpoints == 0 or pos_min < 0 or position <= 0 \
             or position > prompt_end:

@@ -314,4 +314,3 @@ class ParallelLlama:
         self.context.close()
         if self.drafts is not None:
             self.drafts.close()
-

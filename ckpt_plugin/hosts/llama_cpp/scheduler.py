@@ -426,25 +426,25 @@ class BatchScheduler:
                         if start + count == len(submission.tokens):
                             submission.pos_min = int(
                                 llama_cpp.llama_memory_seq_pos_min(context.memory, submission.seq_id))
-        if step and status == 0:
-            self._stalled_since = None
         if step:
             self.steps += 1
             self.batched_tokens += sum(count for _, _, count in step)
             self.shared_steps += len({submission.seq_id for submission, _, _ in step}) > 1
-        failed = refused if status == 0 else step + refused
-        for submission, start, count in failed:
-            if (submission, start, count) in refused:
-                submission.error = PoolFullError(
-                    f"the {context.n_ctx} cells the slots share are all held by busy slots: no room for sequence "
-                    f"{submission.seq_id}'s next {count} tokens; retry when a request has finished, or raise --n_ctx")
-            else:
+            if status == 0:
+                self._stalled_since = None
+        for submission, _, count in refused:
+            submission.error = PoolFullError(
+                f"the {context.n_ctx} cells the slots share are all held by busy slots: no room for sequence "
+                f"{submission.seq_id}'s next {count} tokens; retry when a request has finished, or raise --n_ctx")
+        if status != 0:
+            for submission, _, _ in step:
                 submission.error = StateRestoreError(
                     f"llama_decode failed with {status} on sequence {submission.seq_id}")
-            with self._cond:
-                if submission in self._pending:  # its later chunks are not evaluated either
-                    self._pending.remove(submission)
         step = step + refused
+        with self._cond:
+            for submission, _, _ in step:
+                if submission.error is not None and submission in self._pending:
+                    self._pending.remove(submission)  # its later chunks are not evaluated either
         finished = {submission.seq_id for submission, start, count in step if start + count == len(submission.tokens)}
         now = time.monotonic()
         with self._cond:
