@@ -348,7 +348,8 @@ def main() -> None:
 
         args.model = str(default_model_path())
     budget = _parse(args.budget)
-    common = ["--model", args.model, "--n_ctx", "4096", "--n_threads", "2"]
+    # llama_cpp.server's default, which ckpt-serve turns off: both servers run under the same setting.
+    common = ["--model", args.model, "--n_ctx", "4096", "--n_threads", "2", "--interrupt_requests", "true"]
     slots = tempfile.mkdtemp(prefix="soak-slots-")
     plugin = soak_server(common + ["--checkpoint-budget", args.budget, "--slot-save-path", slots,
                                    "--checkpoint-admin", "true", "--parallel", str(args.parallel),

@@ -236,6 +236,10 @@ class ServeSettings(CheckpointSettings):
         "longer (timed in the grammar check's child process) are refused (422): the host pays that step for every "
         "token it generates. None for no limit.",
     )
+    grammar_check_seconds: float = Field(
+        1.0, gt=0, description="Seconds compiling a request's grammar or JSON schema may take (in the grammar check's "
+        "child process, before the request waits for a slot) before it is refused (422).",
+    )
     request_max_tokens: int | None = Field(
         None, ge=1, description="Tokens a completion may generate at most, whatever its max_tokens asks "
         "(finish_reason 'length'); None for no limit beyond the context.",

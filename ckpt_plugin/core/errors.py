@@ -35,13 +35,30 @@ class PoolFullError(StateRestoreError):
     with its memory like any refused step."""
 
 
+class GrammarDeadEnd(CheckpointError):
+    """A request's grammar left no token of the model to choose: it matches nothing at the point the generation
+    reached (an inverted range such as ``[z-a]``, a character no token holds). Nothing was accepted: llama.cpp's
+    grammar sampler would abort the process on a token it refuses. Servers answer 422 ``invalid_grammar`` (an error
+    event with code 422 in a stream that started).
+
+    :ivar generated: Tokens the generation had produced when it reached the dead end.
+    """
+
+    def __init__(self, generated: int) -> None:
+        where = "at its start" if generated == 0 else f"after {generated} generated tokens"
+        super().__init__(f"the grammar matches nothing {where}: no token of the model can follow it (an inverted "
+                         "range such as [z-a], or a character no token holds)")
+        self.generated = generated
+
+
 class CaptureError(CheckpointError, MemoryError):
     """The slot's state could not be captured (allocation failed or llama.cpp wrote fewer bytes than it said)."""
 
 
 class OpaqueMemoryError(CaptureError):
     """The slot's memory holds positions that no token id names (image embeddings, a ``llama_decode`` made outside
-    the engine): its state cannot be saved, cached, published or written to a slot file under token ids."""
+    the engine): its state cannot be saved, cached, published or written to a slot file under token ids, and a
+    completion that would have to evaluate the host's stale ids in their place is refused."""
 
 
 class CorruptFileError(CheckpointError):

@@ -13,6 +13,20 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A generation that its request's own input made impossible (a grammar that matches nothing where it went).
+
+    :ivar status: The HTTP status (4xx).
+    :ivar code: The error's machine-readable code.
+    :ivar message: What went wrong, for a person.
+    """
+
+    status: int
+    code: str
+    message: str
+
+
 @dataclass
 class RequestScope:
     """What one request is allowed to see and what the manager did for it.
@@ -29,6 +43,10 @@ class RequestScope:
         attached model.
     :ivar unavailable: Why the request failed for want of capacity, not through a fault (a full pool of cells): the
         server answers 503 with this message instead of the host's 500.
+    :ivar refused: Why the request's own input failed its generation (:class:`Refused`): the server answers with
+        its 4xx instead of the host's 500, or ends a stream that started with an error event of that status.
+    :ivar ignore_eos: The request asked for ``ignore_eos``: end-of-generation tokens are never sampled, so that the
+        reply runs to its ``max_tokens`` (or a stop string).
     """
 
     namespace: str | None = None
@@ -39,6 +57,8 @@ class RequestScope:
     max_new_tokens: int | None = None
     completion_tokens: int | None = None
     unavailable: str | None = None
+    refused: Refused | None = None
+    ignore_eos: bool = False
 
     def should_stop(self, generated: int) -> bool:
         """Whether a generation that produced ``generated`` tokens must stop before the next one."""

@@ -227,10 +227,15 @@ class SlotMemory:
         self.opaque = held > known
 
     def discard_opaque(self) -> None:
-        """Cut the memory back to the tokens the slot names (drop positions written from outside)."""
+        """Cut the memory back to the tokens the slot names (drop positions written from outside); a memory that
+        cannot drop its last positions (recurrent) is emptied instead: the prompt that follows is served from the
+        checkpoints and the stores."""
         if self.opaque:
             self.counters.add(outside_writes_dropped=1)
-            self.cut(self.slot.n_tokens)
+            try:
+                self.cut(self.slot.n_tokens)
+            except StateRestoreError:
+                log.debug("positions written from outside dropped by emptying the memory (it cannot be cut)")
 
     def adopt_memory(self, tokens: np.ndarray) -> None:
         """The memory was loaded outside the manager and holds ``tokens``: forget the old lineage."""

@@ -8,6 +8,8 @@
   with an error event and ``data: [DONE]`` instead of an empty, truncated stream.
 - A generation that failed for want of capacity (:attr:`RequestScope.unavailable`: a full pool of cells) is a 503
   with ``Retry-After``, not the host's 500; in a stream that started, its error event says 503.
+- A generation that the request's own input made impossible (:attr:`RequestScope.refused`: a grammar that matches
+  nothing where the generation went) is that 4xx (422 ``invalid_grammar``), and so is its stream's error event.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import threading
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ckpt_plugin.core.errors import PoolFullError
-from ckpt_plugin.core.request import RequestScope
+from ckpt_plugin.core.errors import GrammarDeadEnd, PoolFullError
+from ckpt_plugin.core.request import Refused, RequestScope
 from ckpt_plugin.http.body_limit import error_response
 
 log = logging.getLogger("ckpt_plugin")
@@ -45,14 +47,15 @@ class Generation:
 
     :param app: The host app (wrapped by whatever rewrites its response).
     :param cancelled: Set when the client disconnects.
-    :param request_scope: The request's scope, whose ``unavailable`` turns the host's 500 into a 503.
+    :param request_scope: The request's scope, whose ``unavailable`` turns the host's 500 into a 503, and whose
+        ``refused`` into its 4xx.
     """
 
     def __init__(self, app: ASGIApp, cancelled: threading.Event, request_scope: RequestScope | None = None) -> None:
         self.app = app
         self.cancelled = cancelled
         self.request_scope = request_scope
-        self.replaced = False  # the host's failed response was answered with a 503: its messages are dropped
+        self.replaced = False  # the host's failed response was answered with a 503 or 4xx: its messages are dropped
         self.started = False
         self.done_sent = False
         self.closing: Message | None = None
@@ -77,8 +80,8 @@ class Generation:
             if self.replaced:
                 return
             if message["type"] == "http.response.start":
-                if message["status"] >= 500 and self._unavailable() is not None:
-                    await self._busy(scope, send)
+                if message["status"] >= 500 and self._refusal() is not None:
+                    await self._refuse(scope, send)
                     return
                 self.started = True
             elif message["type"] == "http.response.body":
@@ -95,8 +98,8 @@ class Generation:
             try:
                 await self.app(scope, app_receive, tracking_send)
             except Exception as exc:
-                if not self.started and not self.replaced and self._unavailable() is not None:
-                    await self._busy(scope, send)
+                if not self.started and not self.replaced and self._refusal() is not None:
+                    await self._refuse(scope, send)
                     return
                 if not (stream and self.started) or disconnected.is_set():
                     raise
@@ -107,13 +110,24 @@ class Generation:
         if self.closing is not None:
             await send(self.closing)
 
-    def _unavailable(self) -> str | None:
-        return self.request_scope.unavailable if self.request_scope is not None else None
+    def _refusal(self) -> Refused | None:
+        """Why the host's failure is the client's 4xx or a 503, not a 500 (``None``: it is a 500)."""
+        request = self.request_scope
+        if request is None:
+            return None
+        if request.refused is not None:
+            return request.refused
+        if request.unavailable is not None:
+            return Refused(503, "server_busy", request.unavailable)
+        return None
 
-    async def _busy(self, scope: Scope, send: Send) -> None:
+    async def _refuse(self, scope: Scope, send: Send) -> None:
         self.replaced = True
-        response = error_response(503, "server_busy", self._unavailable() or "the server is busy")
-        response.headers["Retry-After"] = "1"
+        refusal = self._refusal()
+        assert refusal is not None
+        response = error_response(refusal.status, refusal.code, refusal.message)
+        if refusal.status == 503:
+            response.headers["Retry-After"] = "1"
 
         async def nothing() -> Message:
             return {"type": "http.disconnect"}
@@ -133,6 +147,8 @@ def _error_event(exc: BaseException) -> bytes:
     message = str(inner) or type(inner).__name__
     if isinstance(inner, PoolFullError):
         status, kind = 503, "server_busy"
+    elif isinstance(inner, GrammarDeadEnd):
+        status, kind = 422, "invalid_grammar"
     elif "exceed context window" in message:
         status, kind = 400, "invalid_request_error"
     else:

@@ -12,6 +12,15 @@ it for every token): a grammar the child refuses, that crashes or stalls it, or 
 ``step_budget``, is refused with a 422 and never reaches the host; the child is started again for the next one.
 Verdicts are remembered by digest (clients resend the same schema with every request), so a repeated grammar costs a
 dictionary lookup.
+
+The check runs before the request waits for a slot, and is bounded in time: compiling (a JSON schema's conversion
+included) may take ``timeout`` seconds (1 s in ckpt-serve: ``grammar_check_seconds``), after which the grammar is
+refused and the child replaced; the sampling walk that follows ends by itself after about a second. Loading a
+model's vocabulary into the child (once per child and model) is not counted against a grammar.
+
+This check is no longer what keeps the server alive: the host's sampler is guarded where tokens are chosen
+(``ckpt_plugin.hosts.llama_cpp.guarded_sampling``), so a dead end that the walk misses ends its generation with a
+422 instead of aborting the process. The walk still answers most such grammars with a 422 before any token.
 """
 
 from __future__ import annotations
@@ -34,7 +43,11 @@ log = logging.getLogger("ckpt_plugin")
 
 CRASHED = ("compiling or sampling with it crashed llama.cpp's grammar code (nested too deeply, or a point where no "
            "token can follow)")
-TIMED_OUT = "compiling and sampling with it took longer than {seconds:g} s"
+TIMED_OUT = "compiling it took longer than the {seconds:g} s allowed (grammar_check_seconds)"
+WALK_TIMED_OUT = "sampling with it took longer than {seconds:g} s"
+_COMPILED = "compiled"  # the child's word between compiling a grammar and its verdict
+_VOCAB_SECONDS = 120.0  # loading a model's vocabulary into the child: not a grammar's time
+_SILENT = object()  # no answer in time (a verdict of None means the grammar passed)
 _LENGTH = struct.Struct("<Q")
 # The answers go to a copy of stdout; stdout itself goes to stderr, where whatever llama.cpp prints belongs.
 _CHILD = ("import os, sys; answers = os.fdopen(os.dup(1), 'wb', buffering=0); os.dup2(2, 1); "
@@ -75,7 +88,8 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
             return
         try:
             answer: Any = (vocab_facts_in_worker(model_path) if text is None
-                           else grammar_problem_in_worker(model_path, text, is_schema, step_budget))
+                           else grammar_problem_in_worker(model_path, text, is_schema, step_budget,
+                                                          lambda: _write(answers, _COMPILED)))
         except Exception as exc:  # a model that cannot be read: reported, not a verdict on the grammar
             answer = OSError(str(exc))
         try:
@@ -87,16 +101,21 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
 class GrammarGuard:
     """Compiles grammars in a child process (started on first use, again after a crash) and remembers verdicts.
 
-    :param timeout: Seconds a compilation may take before the grammar is refused and the child replaced.
+    :param timeout: Seconds a compilation (a schema's conversion included) may take before the grammar is refused
+        and the child replaced.
     :param remembered: Verdicts kept (least recently used go first).
     :param step_budget: The most seconds one sampling step with a grammar may take over the model's vocabulary
         (``None``: no limit).
     """
 
-    def __init__(self, timeout: float = 10.0, remembered: int = 1024, step_budget: float | None = None) -> None:
+    def __init__(self, timeout: float = 1.0, remembered: int = 1024, step_budget: float | None = None) -> None:
         self.timeout = timeout
         self.remembered = remembered
         self.step_budget = step_budget
+        # The sampling walk ends by itself after about a second; a step may take up to the budget and be measured
+        # twice; what is beyond that is a stalled child.
+        self.walk_timeout = 5.0 + 3 * (step_budget or 1.0)
+        self._loaded: set[str] = set()  # models whose vocabulary the running child holds
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
         self._lock = threading.Lock()  # one compilation at a time: the child answers in order
         self._vocab_facts: dict[str, tuple[int, int]] = {}
@@ -139,13 +158,20 @@ class GrammarGuard:
         with self._lock:
             facts = self._vocab_facts.get(model_path)
             if facts is None:
-                answer = self._ask(model_path, None, False)
-                if not isinstance(answer, tuple):
-                    raise OSError(f"could not read the vocabulary of {model_path}: {answer}")
-                facts = self._vocab_facts[model_path] = answer
+                facts = self._vocab_facts[model_path] = self._load(model_path)
             return facts
 
+    def _load(self, model_path: str) -> tuple[int, int]:
+        """Have the child load ``model_path``'s vocabulary; its size and longest token (lock held)."""
+        answer = self._ask(model_path, None, False)
+        if not isinstance(answer, tuple):
+            raise OSError(f"could not read the vocabulary of {model_path}: {answer}")
+        self._loaded.add(model_path)
+        return answer
+
     def _compile(self, model_path: str, source: GrammarSource) -> str | None:
+        if model_path not in self._loaded or self._process is None or self._process.poll() is not None:
+            self._vocab_facts[model_path] = self._load(model_path)
         return self._ask(model_path, source.text, source.is_schema)  # type: ignore[no-any-return]
 
     def _ask(self, model_path: str, text: str | None, is_schema: bool) -> Any:
@@ -153,11 +179,15 @@ class GrammarGuard:
         assert child.stdin is not None and child.stdout is not None
         try:
             _write(child.stdin, (model_path, text, is_schema, self.step_budget))
-            ready, _, _ = select.select([child.stdout], [], [], self.timeout)
-            if not ready:
+            answer = self._answer(child.stdout, _VOCAB_SECONDS if text is None else self.timeout)
+            if answer is _SILENT:
                 self._stop()
                 return TIMED_OUT.format(seconds=self.timeout)
-            answer = _read(child.stdout)
+            if answer == _COMPILED:
+                answer = self._answer(child.stdout, self.walk_timeout)
+                if answer is _SILENT:
+                    self._stop()
+                    return WALK_TIMED_OUT.format(seconds=self.walk_timeout)
         except (EOFError, OSError):
             self.crashes += 1
             log.warning("grammar check: the child process died compiling a grammar (%d so far); refused it",
@@ -167,6 +197,12 @@ class GrammarGuard:
         if isinstance(answer, Exception):
             raise answer
         return answer
+
+    @staticmethod
+    def _answer(stream: IO[bytes], seconds: float) -> Any:
+        """The child's next message, or :data:`_SILENT` if none came within ``seconds``."""
+        ready, _, _ = select.select([stream], [], [], seconds)
+        return _read(stream) if ready else _SILENT
 
     def _child(self) -> subprocess.Popen[bytes]:
         if self._process is not None and self._process.poll() is None:
@@ -183,6 +219,7 @@ class GrammarGuard:
 
     def _stop(self) -> None:
         process, self._process = self._process, None
+        self._loaded.clear()
         if process is None:
             return
         if process.poll() is None:

@@ -17,7 +17,9 @@ It is a thin composition of one-job pieces:
   worker thread, never on the event loop;
 - generation routes run under the request's limits (``request_timeout``, ``request_max_tokens``) and stop at the
   next token when their client disconnects; a stream that fails ends with an error event
-  (:class:`~ckpt_plugin.http.generation.Generation`);
+  (:class:`~ckpt_plugin.http.generation.Generation`); ``"ignore_eos": true`` (llama-server's and vLLM's field)
+  keeps end-of-generation tokens from being sampled; ``max_completion_tokens`` reaches the host as ``max_tokens``
+  (:mod:`~ckpt_plugin.http.token_limits`);
 - with parallel slots, generations wait for a slot in arrival order, and past a bounded queue get 503
   (:class:`~ckpt_plugin.http.admission_queue.AdmissionQueue`);
 - :class:`~ckpt_plugin.http.usage.UsageRewriter`: ``usage.prompt_tokens_details.cached_tokens`` on their responses;
@@ -46,11 +48,17 @@ from ckpt_plugin.core.config import ServeSettings
 from ckpt_plugin.http.generation import Generation, replay_body
 from ckpt_plugin.http.metrics import Metrics, ModelStats, live_stats
 from ckpt_plugin.core.request import RequestScope, current_request
-from ckpt_plugin.http.request_checks import RequestRejected, check_content_type, parse_json_object
+from ckpt_plugin.http.request_checks import (
+    RequestRejected,
+    check_content_type,
+    check_generation_flags,
+    parse_json_object,
+)
 from ckpt_plugin.http.route_guard import RouteGuard, default_guards, validation_message
 from ckpt_plugin.http.routes import CheckpointRoutes, Managers, unique_managers
 from ckpt_plugin.services.publishing import publish
 from ckpt_plugin.http.tenants import Tenants
+from ckpt_plugin.http.token_limits import with_max_completion_tokens
 from ckpt_plugin.http.usage import UsageRewriter
 
 log = logging.getLogger("ckpt_plugin")
@@ -137,6 +145,12 @@ class CheckpointMiddleware:
                 scope = _json_content_type(scope)
             body = await read_body(receive, self.settings.max_body_bytes)
             payload = await _off_loop_if_large(len(body), parse_json_object, body)
+            if guard.generates:
+                check_generation_flags(payload)
+                read = body
+                payload, body = await _off_loop_if_large(len(body), with_max_completion_tokens, payload, body)
+                if body is not read:
+                    scope = _with_content_length(scope, len(body))
             answer = await run_in_threadpool(_check_and_answer, guard, payload)
         except RequestRejected as exc:
             await error_response(exc.status, exc.code, exc.message)(scope, receive, send)
@@ -156,6 +170,7 @@ class CheckpointMiddleware:
         if settings.request_timeout is not None:
             request_scope.deadline = time.monotonic() + settings.request_timeout
         request_scope.max_new_tokens = settings.request_max_tokens
+        request_scope.ignore_eos = payload.get("ignore_eos") is True
         admission = self.admission
         if admission is not None:
             try:
@@ -206,6 +221,14 @@ def _json_content_type(scope: Scope) -> Scope:
     bytes, a 500)."""
     headers = [(name, value) for name, value in scope["headers"] if name.lower() != b"content-type"]
     return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+
+
+def _with_content_length(scope: Scope, length: int) -> Scope:
+    """``scope`` declaring a body of ``length`` bytes: the one the host gets, rewritten, not the one the client
+    sent."""
+    headers = [(name, value) for name, value in scope["headers"]
+               if name.lower() not in (b"content-length", b"transfer-encoding")]
+    return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
 
 
 def _check_and_answer(guard: RouteGuard, payload: dict[str, Any]) -> Any | None:

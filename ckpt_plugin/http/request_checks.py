@@ -181,11 +181,54 @@ class GrammarSource:
     :ivar text: GBNF text, or a JSON schema (``is_schema``) the host converts to GBNF first.
     :ivar is_schema: ``text`` is a JSON schema.
     :ivar field: Where it came from, for the error message.
+    :ivar least_size: For a schema, the fewest characters a reply that matches it holds, as its size bounds
+        (``minLength``, ``minItems``, ...) multiply down the schema (:func:`least_reply_size`); 0 for GBNF.
     """
 
     text: str
     is_schema: bool
     field: str
+    least_size: int = 0
+
+
+SIZE_BOUNDS = ("minLength", "minItems", "minProperties", "minContains")
+"""JSON schema keywords that set how large a value must be (characters, array items, object members)."""
+
+
+def least_reply_size(schema: Any) -> int:
+    """The fewest characters a JSON value matching ``schema`` holds, as far as its size bounds tell: the largest
+    product of ``minLength``, ``minItems``, ``minProperties`` and ``minContains`` down any path of nested schemas
+    (an array of 1,000 strings of 1,000 characters holds a million). Computed without converting the schema: the
+    conversion itself writes a minimum length out character by character (``minLength`` 10^8 is a 500 MB grammar).
+    """
+    largest = 0
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        node, factor = stack.pop()
+        if isinstance(node, Mapping):
+            bounds = [int(value) for key in SIZE_BOUNDS
+                      if isinstance(value := node.get(key), (int, float)) and not isinstance(value, bool)
+                      and math.isfinite(value) and value > 1]
+            factor *= max(bounds, default=1)
+            largest = max(largest, factor)
+            stack.extend((child, factor) for child in node.values() if isinstance(child, (Mapping, list)))
+        elif isinstance(node, list):
+            stack.extend((child, factor) for child in node if isinstance(child, (Mapping, list)))
+    return largest if largest > 1 else 0
+
+
+def check_reply_fits(source: GrammarSource, n_ctx: int, longest_token_bytes: int) -> None:
+    """Refuse at once a schema whose size bounds ask for a reply that ``n_ctx`` tokens cannot hold (no token stands
+    for more than ``longest_token_bytes`` bytes, and a character is a byte at least), without compiling it.
+
+    :raises RequestRejected: 422 ``invalid_grammar`` naming the field.
+    """
+    limit = n_ctx * longest_token_bytes
+    if source.least_size > limit:
+        raise RequestRejected(422, "invalid_grammar",
+                              f"{source.field}: its size bounds (minLength, minItems, ...) ask for a reply of at least "
+                              f"{source.least_size} characters, more than this model's context of {n_ctx} tokens can "
+                              f"hold (no token stands for more than {longest_token_bytes} bytes)")
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
@@ -235,8 +278,9 @@ def chat_grammars(payload: Mapping[str, Any]) -> list[GrammarSource]:
     response_format = payload.get("response_format")
     if isinstance(response_format, Mapping) and response_format.get("type") == "json_object" \
             and "schema" in response_format:
-        check_no_control_characters(response_format["schema"], "response_format.schema")
-        sources.append(GrammarSource(json.dumps(response_format["schema"]), True, "response_format.schema"))
+        schema = response_format["schema"]
+        check_no_control_characters(schema, "response_format.schema")
+        sources.append(GrammarSource(json.dumps(schema), True, "response_format.schema", least_reply_size(schema)))
     tools = _tools(payload)
     for index, tool in enumerate(tools or ()):
         function = tool.get("function")
@@ -248,7 +292,8 @@ def chat_grammars(payload: Mapping[str, Any]) -> list[GrammarSource]:
         if tool is None:
             raise RequestRejected(422, "invalid_request", f"tool_choice names {chosen!r}, which is not among tools")
         parameters = tool["function"].get("parameters") if isinstance(tool.get("function"), Mapping) else None
-        sources.append(GrammarSource(json.dumps(parameters), True, f"tools[{chosen!r}].parameters"))
+        sources.append(GrammarSource(json.dumps(parameters), True, f"tools[{chosen!r}].parameters",
+                                     least_reply_size(parameters)))
     return sources
 
 
@@ -274,3 +319,13 @@ def _chosen_tool(payload: Mapping[str, Any]) -> str | None:
 def _function_name(tool: Mapping[str, Any]) -> Any:
     function = tool.get("function")
     return function.get("name") if isinstance(function, Mapping) else None
+
+
+def check_generation_flags(payload: Mapping[str, Any]) -> None:
+    """Fields the middleware itself honours on generation routes are of their type (``ignore_eos``: a boolean).
+
+    :raises RequestRejected: 422 naming the field.
+    """
+    value = payload.get("ignore_eos")
+    if value is not None and not isinstance(value, bool):
+        raise RequestRejected(422, "invalid_request", f"ignore_eos must be true or false, got {value!r}")

@@ -17,9 +17,11 @@ from ckpt_plugin.http.grammar_guard import GrammarGuard
 from ckpt_plugin.http.middleware import CheckpointMiddleware
 
 from ckpt_plugin_integrations.llama_cpp_server.guards import host_route_guards, warm_up
+from ckpt_plugin_integrations.llama_cpp_server.interrupted_streams import report_interruptions
 from ckpt_plugin_integrations.llama_cpp_server.model_checks import check_parallel
 from ckpt_plugin_integrations.llama_cpp_server.proxy import CheckpointLlamaProxy, RequestViews
 from ckpt_plugin_integrations.llama_cpp_server.read_ahead import collect_streams, iterate_chunks, stop_streams
+from ckpt_plugin_integrations.llama_cpp_server.request_ids import RequestIds, accept_any_request_id
 
 
 def create_app(
@@ -27,7 +29,9 @@ def create_app(
     model_settings: list[ModelSettings],
     checkpoint_settings: ServeSettings | None = None,
 ) -> Any:
-    """``llama_cpp.server.app.create_app`` with a :class:`CheckpointLlamaProxy` and :class:`CheckpointMiddleware`.
+    """``llama_cpp.server.app.create_app`` with a :class:`CheckpointLlamaProxy` and :class:`CheckpointMiddleware`;
+    any reasonable ``X-Request-Id`` is kept (:mod:`.request_ids`), and a stream that ``interrupt_requests`` cuts
+    short ends with an error event (:mod:`.interrupted_streams`).
 
     :return: The FastAPI app; ``app.state.llama_proxy`` is the proxy (its ``managers`` are the live managers).
     """
@@ -42,7 +46,7 @@ def create_app(
         host.LlamaProxy = original  # type: ignore[misc]
     proxy: CheckpointLlamaProxy = host_compat.server_llama_proxy(host)
     app.state.llama_proxy = proxy
-    grammars = GrammarGuard(step_budget=settings.grammar_max_step_seconds)
+    grammars = GrammarGuard(timeout=settings.grammar_check_seconds, step_budget=settings.grammar_max_step_seconds)
     app.state.grammar_guard = grammars
     admission = None
     if settings.parallel > 1:
@@ -60,6 +64,10 @@ def create_app(
         admission=admission,
         model_stats=proxy.model_stats,
     )
+    # Outermost: every response carries the request's id, the middleware's own refusals included.
+    accept_any_request_id(app)
+    app.add_middleware(RequestIds)
+    report_interruptions()
     warm_up(grammars, proxy)
     return app
 

@@ -27,7 +27,7 @@ from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerS
 from pydantic import ValidationError
 
 from ckpt_plugin.core.config import ServeSettings, setting_variables, unknown_variables
-from ckpt_plugin.hosts.llama_cpp.default_model import default_model_location, default_model_path
+from ckpt_plugin.hosts.llama_cpp.default_model import default_model_location, default_model_path, is_default_model
 from ckpt_plugin.core.errors import ConfigError
 from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT
 
@@ -135,6 +135,8 @@ HOST_FLAG_NOTES: dict[str, str] = {
     "cache_size": "--cache-max-bytes, when given, wins over it.",
     "draft_model": "Prompt lookup decoding of llama_cpp.server; ckpt-serve's --draft-model takes a draft GGUF.",
     "flash_attn": "ckpt-serve's default: true.",
+    "interrupt_requests": "ckpt-serve's default: false (requests for the one slot wait their turn; true cuts a "
+                          "running stream short, which then ends with an error event of code 503).",
 }
 """Notes appended to the help of llama_cpp.server's flags where ckpt-serve differs or a plugin flag overlaps."""
 
@@ -282,6 +284,7 @@ class LoadedSettings:
 
     :ivar embedded: No model was named: ``models[0]`` is the embedded default, whose file
         :func:`prepare_default_model` assembles once every check has passed.
+    :ivar named_models: The models as named, before ckpt-serve's defaults: which chat formats are guesses.
     """
 
     server: ServerSettings
@@ -292,6 +295,7 @@ class LoadedSettings:
     config_file: str | None = None
     flags: frozenset[str] = frozenset()
     embedded: bool = False
+    named_models: list[ModelSettings] = dataclasses.field(default_factory=list)
 
     def model_source(self, index: int, field: str) -> str:
         """Where model ``index``'s setting ``field`` came from: the config file's key, else its flag if one was
@@ -339,6 +343,7 @@ def _load_settings(argv: Sequence[str] | None = None) -> LoadedSettings:
             server = ServerSettings.model_validate(
                 {**config.model_dump(include=set(ServerSettings.model_fields)), **explicit}
             )
+            server = with_serve_server_defaults(server, config.model_fields_set | explicit.keys())
             models = config.models
             if not models:
                 raise ConfigError(f"config file {config_file} names no models")
@@ -346,6 +351,7 @@ def _load_settings(argv: Sequence[str] | None = None) -> LoadedSettings:
         else:
             section = {}
             server = parse_model_from_args(ServerSettings, args)
+            server = with_serve_server_defaults(server, server.model_fields_set)  # flags and variables alike
             if args.model is not None:
                 sources = ["--model"]
             elif os.environ.get("MODEL"):
@@ -364,8 +370,10 @@ def _load_settings(argv: Sequence[str] | None = None) -> LoadedSettings:
         field: _checkpoint_source(field, flags, section, config_file, typed) for field in checkpoints.model_fields_set
     }
     host_flags = frozenset(k for k, v in vars(args).items() if v is not None and k in Settings.model_fields)
+    named = models
     models = [with_plugin_precedence(with_serve_defaults(model, embedded), checkpoints) for model in models]
-    return LoadedSettings(server, models, checkpoints, sources, checkpoint_sources, config_file, host_flags, embedded)
+    return LoadedSettings(server, models, checkpoints, sources, checkpoint_sources, config_file, host_flags, embedded,
+                          named)
 
 
 def with_plugin_precedence(model: ModelSettings, checkpoints: ServeSettings) -> ModelSettings:
@@ -410,6 +418,20 @@ def prepare_default_model(loaded: LoadedSettings) -> None:
         _embedded_model(assemble=True)
 
 
+def with_serve_server_defaults(server: ServerSettings, given: Collection[str]) -> ServerSettings:
+    """``ckpt-serve``'s server defaults where they differ from ``llama_cpp.server``'s (docs/server.md, "Defaults").
+
+    ``interrupt_requests`` is off unless given (a flag, ``INTERRUPT_REQUESTS``, the config file): requests for the one
+    slot wait their turn, as on llama-server, where the host's default cut the running stream short as soon as another
+    request arrived (that stream then ends with an error event, :mod:`.interrupted_streams`).
+
+    :param given: The server settings named explicitly.
+    """
+    if "interrupt_requests" not in given:
+        return server.model_copy(update={"interrupt_requests": False})
+    return server
+
+
 def with_serve_defaults(model: ModelSettings, embedded: bool = False) -> ModelSettings:
     """``ckpt-serve``'s model defaults where they differ from ``llama_cpp.server``'s (docs/server.md, "Defaults").
 
@@ -417,9 +439,11 @@ def with_serve_defaults(model: ModelSettings, embedded: bool = False) -> ModelSe
     server (``-fa auto``): on CPU it evaluates a 2,000-token Gemma-3 prompt about 1.3x faster. llama.cpp's log is
     off unless ``verbose`` is set.
 
-    :param embedded: ``model`` is the embedded default, served because no model was named: its GGUF has no chat
-        template, and it gets :data:`~ckpt_plugin.hosts.llama_cpp.chat_formats.DEFAULT_CHAT_FORMAT` unless a chat format is named
-        (docs/server.md, "First run and errors"). A model named by path keeps llama_cpp.server's behaviour.
+    :param embedded: ``model`` is the embedded default, served because no model was named. Its GGUF has no chat
+        template, and it gets :data:`~ckpt_plugin.hosts.llama_cpp.chat_formats.DEFAULT_CHAT_FORMAT` unless a chat
+        format is named (docs/server.md, "First run and errors"), and so does the same file named by path
+        (``--model``, ``MODEL``, a config file), wherever it lies (recognised by its content): the start-up line names
+        the built-in model either way, and the format it gets must not depend on how it was named.
     """
     update: dict[str, Any] = {}
     if "flash_attn" not in model.model_fields_set:
@@ -427,7 +451,7 @@ def with_serve_defaults(model: ModelSettings, embedded: bool = False) -> ModelSe
     if "verbose" not in model.model_fields_set:
         # llama.cpp's load log (over a thousand lines) hid the start-up line; --verbose true brings it back.
         update["verbose"] = False
-    if embedded and "chat_format" not in model.model_fields_set:
+    if "chat_format" not in model.model_fields_set and (embedded or is_default_model(model.model)):
         update["chat_format"] = DEFAULT_CHAT_FORMAT
     return model.model_copy(update=update) if update else model
 
@@ -598,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _fail(str(exc))
     server, models, checkpoints = loaded.server, loaded.models, loaded.checkpoints
     host, port = _address(server)
-    for line in templateless_models(models):
+    for line in templateless_models(loaded.named_models):
         print(f"ckpt-serve: {line}", file=sys.stderr)
     import uvicorn
 

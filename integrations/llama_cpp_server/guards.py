@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from ckpt_plugin.hosts.llama_cpp import compat as host_compat
 from ckpt_plugin.core.errors import UnsupportedHostError
 from ckpt_plugin.http.grammar_guard import GrammarGuard
+from ckpt_plugin.http.message_checks import check_media_readable, check_messages_given
 from ckpt_plugin.http.request_checks import (
     GrammarSource,
     RequestRejected,
@@ -38,11 +39,14 @@ from ckpt_plugin.http.request_checks import (
     check_logit_bias,
     check_numbers_given,
     check_prompt_fits,
+    check_reply_fits,
     check_token_ids,
     completion_grammars,
     prompt_text_bytes,
 )
 from ckpt_plugin.http.route_guard import RouteGuard
+
+from ckpt_plugin_integrations.llama_cpp_server.model_checks import MULTIMODAL_CHAT_FORMATS
 
 
 class RouteKind(enum.Enum):
@@ -65,6 +69,12 @@ _SCHEMAS: dict[RouteKind, type[BaseModel]] = {
     RouteKind.DETOKENIZE: DetokenizeInputRequest,
 }
 
+
+MEDIA_HINT = ("llama_cpp.server's chat handlers read text parts, and image_url parts with a multimodal projector: "
+              "start ckpt-serve with --clip_model_path PROJECTOR.gguf and a multimodal --chat_format (llava-1-5, "
+              "llava-1-6, mtmd, qwen2.5-vl, ...), or set clip_model_path and chat_format in the config file's model.")
+"""What a refused image, audio or file part's message says the server reads, and what enables images
+(docs/server.md, "Images and audio")."""
 
 # Optional in the host's schema, but handed to llama.cpp's sampler as they are: null is a ctypes error there.
 _SAMPLER_NUMBERS = ("presence_penalty", "frequency_penalty")
@@ -92,6 +102,8 @@ class ModelView:
     :ivar only_model: The server has no other model, so the loaded one cannot be switched away meanwhile.
     :ivar n_ctx: The most tokens a request's prompt and reply hold (a slot's, with parallel slots; 0: unknown until
         the model loads).
+    :ivar multimodal: Its chat handler reads images: a multimodal chat format with its projector
+        (``clip_model_path``).
     """
 
     model_path: str
@@ -99,6 +111,7 @@ class ModelView:
     llama: Any
     only_model: bool
     n_ctx: int = 0
+    multimodal: bool = False
 
 
 class ModelViews:
@@ -116,8 +129,9 @@ class ModelViews:
         settings = host_compat.proxy_model_settings(proxy, alias)
         loaded = host_compat.proxy_current_model(proxy) if host_compat.proxy_current_alias(proxy) == alias else None
         n_ctx = int(loaded.n_ctx()) if loaded is not None else int(settings.n_ctx or 0)
+        multimodal = settings.chat_format in MULTIMODAL_CHAT_FORMATS and settings.clip_model_path is not None
         return ModelView(model_path=settings.model, embeddings=bool(settings.embedding), llama=loaded,
-                         only_model=len(list(proxy)) == 1, n_ctx=n_ctx)
+                         only_model=len(list(proxy)) == 1, n_ctx=n_ctx, multimodal=multimodal)
 
 
 class HostRouteGuard:
@@ -141,6 +155,10 @@ class HostRouteGuard:
         return self.grammars.vocab_size(model.model_path)
 
     def check(self, payload: dict[str, Any]) -> None:
+        if self.kind is RouteKind.CHAT:
+            # Before the schema: it refuses audio and file parts with a dozen errors that never say why.
+            check_messages_given(payload)
+            check_media_readable(payload, self.models(payload.get("model")).multimodal, MEDIA_HINT)
         self.schema.model_validate(payload)
         model = self.models(payload.get("model"))
         if self.kind is RouteKind.COMPLETION:
@@ -164,6 +182,8 @@ class HostRouteGuard:
         if payload.get("logit_bias"):
             check_logit_bias(payload.get("logit_bias"), payload.get("logit_bias_type"), self._n_vocab(model))
         for source in grammars:
+            if source.least_size and model.n_ctx:
+                check_reply_fits(source, model.n_ctx, self.grammars.longest_token_bytes(model.model_path))
             problem = self.grammars.problem(model.model_path, source)
             if problem is not None:
                 raise RequestRejected(422, "invalid_grammar", f"{source.field}: {problem}")

@@ -22,7 +22,7 @@ from llama_cpp.server.settings import ModelSettings
 from ckpt_plugin.hosts.llama_cpp.default_model import is_default_model
 from ckpt_plugin.core.errors import ConfigError
 from ckpt_plugin.hosts.llama_cpp.compat import SERVER_CHAT_FORMATS
-from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, known_chat_formats
+from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, TRANSCRIPT_FORMAT, known_chat_formats
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -74,11 +74,21 @@ def _gguf_scalar_strings(path: str, mtime_ns: int, size: int) -> dict[str, str] 
 
 
 def templateless_models(models: list[ModelSettings]) -> list[str]:
-    """One line for each model that has no chat template and no chat format: its chat requests use llama-cpp-python's
-    fallback, the llama-2 format, which models of other families answer with nonsense."""
+    """One line for each model, as named (before ckpt-serve's defaults), whose chat format is a guess: its GGUF has
+    no chat template and no chat format is named. The embedded model's file (wherever it lies) gets ckpt-serve's
+    :data:`~ckpt_plugin.hosts.llama_cpp.chat_formats.DEFAULT_CHAT_FORMAT`; any other, llama-cpp-python's fallback,
+    the llama-2 format, which models of other families answer with nonsense. Each line says how to choose one."""
     lines = []
     for model in models:
         if model.chat_format is not None or model.hf_model_repo_id is not None:
+            continue
+        name = model.model_alias or model.model
+        if is_default_model(model.model):  # the pretrained Gemma-3-270M (no template; its file may not exist yet)
+            lines.append(
+                f"model {name} has no chat template; chat requests use {DEFAULT_CHAT_FORMAT}, ckpt-serve's format for "
+                f"the built-in Gemma-3-270M: set --chat_format (e.g. {TRANSCRIPT_FORMAT}, without its example "
+                "exchanges) or chat_format in the config file to choose another"
+            )
             continue
         metadata = gguf_strings(model.model, {"tokenizer.chat_template", "general.architecture"})
         if metadata is None or "tokenizer.chat_template" in metadata:
@@ -86,10 +96,8 @@ def templateless_models(models: list[ModelSettings]) -> list[str]:
         examples = {"gemma3": "gemma3", "gemma": "gemma", "gemma2": "gemma"}.get(
             metadata.get("general.architecture", ""), "chatml, llama-3, mistral-instruct, gemma3"
         )
-        if is_default_model(model.model):  # the pretrained Gemma-3-270M: its turns are untrained
-            examples = f"{DEFAULT_CHAT_FORMAT}, which ckpt-serve gives it when no --model is named"
         lines.append(
-            f"model {model.model_alias or model.model} has no chat template; chat requests use the llama-2 format: "
+            f"model {name} has no chat template; chat requests use the llama-2 format: "
             f"set --chat_format (e.g. {examples}) or chat_format in the config file"
         )
     return lines
@@ -139,8 +147,12 @@ def check_parallel(models: list[ModelSettings], parallel: int, parallel_source: 
 SettingSource = Callable[[int, str], str]
 """``source(index, field)``: where model ``index``'s setting ``field`` was given (a flag, variable or config key)."""
 
+MULTIMODAL_CHAT_FORMATS = SERVER_CHAT_FORMATS - {"hf-autotokenizer", "hf-tokenizer-config"}
+"""The chat formats whose handler llama_cpp.server builds with the ``clip_model_path`` projector: the only ones that
+read images (any other format drops them, a projector file or not)."""
+
 FORMAT_NEEDS: dict[str, tuple[str, str]] = {
-    **{name: ("clip_model_path", "the multimodal projector file") for name in SERVER_CHAT_FORMATS},
+    **{name: ("clip_model_path", "the multimodal projector file") for name in MULTIMODAL_CHAT_FORMATS},
     "hf-autotokenizer": ("hf_pretrained_model_name_or_path", "the Hugging Face tokenizer"),
     "hf-tokenizer-config": ("hf_tokenizer_config_path", "a tokenizer_config.json file"),
 }

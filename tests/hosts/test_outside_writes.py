@@ -19,9 +19,11 @@ import pytest
 
 import ckpt_plugin
 from ckpt_plugin.core.errors import OpaqueMemoryError
+from ckpt_plugin.hosts.llama_cpp.context import last_logits
 from ckpt_plugin.hosts.llama_cpp.host_cache import host_only_known
 
 KINDS = ["llama", "gemma3"]
+ALL_KINDS = ["llama", "gemma3", "mamba", "hybrid"]  # attention, sliding window, recurrent, hybrid
 MAX_TOKENS = 8
 
 rng = np.random.default_rng(1)
@@ -31,9 +33,10 @@ STALE = rng.integers(5, 200, 12).tolist()  # an earlier request's ids where the 
 N_IMAGE = len(STALE)
 
 
-def decode_embeddings(llama: Any, seed: int, n: int, seen: bool) -> None:
+def decode_embeddings(llama: Any, seed: int, n: int, seen: bool, logits: bool = True) -> None:
     """Decode ``n`` random embeddings after ``llama.n_tokens`` on sequence 0 and move ``n_tokens`` past them, as
-    ``mtmd_helper_eval_chunk_single`` and the handler do (``input_ids`` untouched)."""
+    ``mtmd_helper_eval_chunk_single`` and the handler do (``input_ids`` untouched); ``logits``: with the last
+    position's logits."""
     n_embd = llama.n_embd()
     embeddings = np.random.default_rng(seed).standard_normal((n, n_embd)).astype(np.float32)
     batch = llama_cpp.llama_batch_init(n, n_embd, 1)
@@ -45,7 +48,7 @@ def decode_embeddings(llama: Any, seed: int, n: int, seen: bool) -> None:
             batch.pos[i] = start + i
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = 0
-            batch.logits[i] = i == n - 1
+            batch.logits[i] = logits and i == n - 1
         batch.n_tokens = n
         assert decode(llama.ctx, batch) == 0
     finally:
@@ -93,6 +96,92 @@ def test_image_requests_answer_as_the_host_alone(make_llama: Callable[..., Any],
     stats = manager.stats()
     assert stats["stood_aside"] == 2
     assert stats["outside_writes_dropped"] >= 1
+
+
+def fresh_answer(make_llama: Callable[..., Any], kind: str, seed: int) -> tuple[int, str]:
+    """A fresh context's first token (the argmax of its logits) and answer after the writes of one image request."""
+    llama = make_llama(kind)
+    llama.eval(TEXT0)
+    decode_embeddings(llama, seed, N_IMAGE, seen=True)
+    llama.eval(TEXT1)
+    first = int(np.argmax(last_logits(llama)))
+    return first, complete(llama, llama.input_ids[: llama.n_tokens].tolist())
+
+
+@pytest.mark.parametrize("seen", [True, False], ids=["llama_decode", "unseen-decode"])
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_outside_embeddings_answer_as_a_fresh_context_on_every_kind(make_llama: Callable[..., Any], kind: str,
+                                                                    seen: bool) -> None:
+    """Text, embeddings decoded by host code, more text, then the host's own record completed (stale ids where the
+    embeddings are): the first token comes from the logits the context holds, on a memory that cannot drop its last
+    position (recurrent, hybrid) too, never from evaluating the stale ids again."""
+    fresh = {seed: fresh_answer(make_llama, kind, seed) for seed in (7, 8)}
+    host_llama, attached_llama = make_llama(kind), make_llama(kind)
+    manager = ckpt_plugin.attach(attached_llama)
+    for llama in (host_llama, attached_llama):
+        complete(llama, TEXT_PROMPT)  # the stale ids, in the host's record and in the cache
+    evaluated = manager.stats()["tokens_evaluated"]
+    answers = []
+    for seed in (7, 8):
+        host = image_request(host_llama, seed, seen)
+        attached = image_request(attached_llama, seed, seen)
+        first, answer = fresh[seed]
+        assert attached == host == answer
+        # The first token generated (evaluated for the second) is the argmax of a fresh context's logits.
+        assert attached_llama.input_ids[len(TEXT_PROMPT)] == host_llama.input_ids[len(TEXT_PROMPT)] == first
+        answers.append(attached)
+    assert answers[0] != answers[1]
+    stats = manager.stats()
+    assert stats["stood_aside"] == 2
+    # Each request: its two texts and the answer's tokens; the prompt is never evaluated again.
+    assert stats["tokens_evaluated"] - evaluated == 2 * (len(TEXT0) + len(TEXT1) + MAX_TOKENS - 1)
+    # The next request is served from what token ids name, as a fresh context serves it.
+    assert complete(attached_llama, TEXT_PROMPT) == complete(make_llama(kind), TEXT_PROMPT)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_prompts_that_leave_the_record_after_outside_embeddings(make_llama: Callable[..., Any], kind: str) -> None:
+    """The host's record completed in another way than the memory holds it: nothing is evaluated at positions whose
+    content the ids do not name."""
+    other = [9, 8, 7, 6, 5]
+
+    def after_image(llama: Any, prompt_of: Callable[[list[int]], list[int]], text: bool = True,
+                    logits: bool = True) -> str:
+        llama.reset()
+        llama._ctx.kv_cache_clear()
+        llama.eval(TEXT0)
+        decode_embeddings(llama, 7, N_IMAGE, seen=True, logits=logits)
+        if text:
+            llama.eval(TEXT1)
+        return complete(llama, prompt_of(llama.input_ids[: llama.n_tokens].tolist()))
+
+    llama = make_llama(kind)
+    manager = ckpt_plugin.attach(llama)
+    recurrent = kind in ("mamba", "hybrid")
+    # Leaving before the embeddings: the record is the truth there, served like any prompt.
+    before = TEXT0[:10] + other
+    assert after_image(llama, lambda record: record[:10] + other) == complete(make_llama(kind), before)
+    # Leaving after them: an attention memory drops what follows and evaluates the rest, as the host alone does; a
+    # recurrent one would have to evaluate the stale ids again, and refuses.
+    after = lambda record: record[: len(TEXT0) + N_IMAGE + 3] + other  # noqa: E731
+    if recurrent:
+        with pytest.raises(OpaqueMemoryError):
+            after_image(llama, after)
+    else:
+        assert after_image(llama, after) == after_image(make_llama(kind), after)
+    # Ending with the embeddings, whose last position has no logits: nothing to sample from (the host alone aborts
+    # the process in llama.cpp's sampler), and the stale id there must not be evaluated.
+    with pytest.raises(OpaqueMemoryError):
+        after_image(llama, lambda record: record, text=False, logits=False)
+    # Ending with them with their logits: sampled from those.
+    with_logits = after_image(llama, lambda record: record, text=False)
+    fresh = make_llama(kind)
+    fresh.eval(TEXT0)
+    decode_embeddings(fresh, 7, N_IMAGE, seen=True)
+    assert with_logits == complete(fresh, fresh.input_ids[: fresh.n_tokens].tolist())
+    # The slot is free and right for the next request.
+    assert complete(llama, TEXT_PROMPT) == complete(make_llama(kind), TEXT_PROMPT)
+    assert manager.stats()["outside_writes_dropped"] >= 1
 
 
 def test_a_memory_cleared_and_refilled_to_the_same_length_is_not_trusted(make_llama: Callable[..., Any]) -> None:
@@ -159,8 +248,11 @@ def test_embed_on_a_generation_model_changes_nothing(make_llama: Callable[..., A
     assert complete(llama, prompt + TEXT1) == complete(fresh, prompt + TEXT1)
 
 
-def test_third_party_decode_then_generate_answers_as_the_host_alone(make_llama: Callable[..., Any]) -> None:
-    """Guidance-style use: tokens decoded with llama_decode directly, the host's bookkeeping set by hand."""
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_third_party_decode_then_generate_answers_as_the_host_alone(make_llama: Callable[..., Any], kind: str) -> None:
+    """Guidance-style use: tokens decoded with llama_decode directly, the host's bookkeeping set by hand; the prompt
+    continues them, and only its rest is evaluated (a recurrent memory included, which the host alone empties and
+    evaluates again: its record is the truth here, so the answers are equal)."""
 
     def flow(llama: Any) -> str:
         complete(llama, TEXT_PROMPT)
@@ -173,11 +265,15 @@ def test_third_party_decode_then_generate_answers_as_the_host_alone(make_llama: 
         llama.n_tokens = len(tokens)
         return complete(llama, tokens + STALE[:3])
 
-    host = flow(make_llama("gemma3"))
-    llama = make_llama("gemma3")
+    host = flow(make_llama(kind))
+    llama = make_llama(kind)
     manager = ckpt_plugin.attach(llama)
+    evaluated = manager.stats()["tokens_evaluated"]
     assert flow(llama) == host
-    assert manager.stats()["stood_aside"] == 1
+    stats = manager.stats()
+    assert stats["stood_aside"] == 1
+    # The first request, then the prompt's three tokens after the decoded ones and the answer's.
+    assert stats["tokens_evaluated"] - evaluated == len(TEXT_PROMPT) + MAX_TOKENS - 1 + 3 + MAX_TOKENS - 1
 
 
 def test_a_memory_with_unknown_positions_is_never_saved_cached_or_published(make_llama: Callable[..., Any],

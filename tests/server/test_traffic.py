@@ -14,8 +14,10 @@ import time
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
+from ckpt_plugin_integrations.llama_cpp_server.interrupted_streams import INTERRUPTED_STATUS
 from support.servers import client, drop_stream, model_args, run_server
 
 BOUND = 60.0  # seconds a request may take on a loaded 2-core machine; a blocked slot waits forever instead
@@ -103,15 +105,146 @@ def test_parallel_streams(tiny_model: Any, plain: Any, interrupt: str) -> None:
         for thread in threads:
             thread.join(4 * BOUND)
             assert not thread.is_alive()
-        assert not errors
         for i, text in results.items():
-            if interrupt == "true":
-                # a stream interrupted by a newer request ends early, with what it had produced
-                assert expected[i].startswith(text), i
-            else:
-                assert text == expected[i], i
+            assert text == expected[i], i  # a stream that ends as complete is complete, interrupted or not
+        if interrupt == "true":
+            # a stream cut short by a newer request ends with an error event, which the client raises
+            assert all(isinstance(e, openai.APIError) and e.code == str(INTERRUPTED_STATUS) for e in errors), errors
+            assert len(results) + len(errors) == 4
+        else:
+            assert not errors
         for i in range(4):
             assert answer(ours, messages_of(i), 24) == expected[i]
+
+
+LONG = 400
+"""Tokens of the first stream in the tests of one slot: it is still generating when the others arrive."""
+
+
+def stream_data(server: Any, messages: list[dict[str, str]], max_tokens: int,
+                on_event: Any = None, on_start: Any = None) -> list[Any]:
+    """The data of every event of a streamed chat completion, read raw (an error event is data like a chunk):
+    ``"[DONE]"`` as it is, the others parsed; ``on_start()`` once the response started (the host answers a stream's
+    headers before it waits for the model), ``on_event(count)`` after each event."""
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    events: list[Any] = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=BOUND) as response:
+        assert response.status_code == 200
+        if on_start is not None:
+            on_start()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if on_event is not None:
+                    on_event(len(events))
+    return events
+
+
+def ending(events: list[Any]) -> tuple[str, Any]:
+    """How a stream ended: ``("complete", (text, finish_reason))`` or ``("error", error)``; anything else (no
+    ``[DONE]``, no finish and no error: a silent cut) fails."""
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [event for event in events[:-1] if "choices" in event]
+    errors = [event["error"] for event in events[:-1] if "error" in event]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    if errors:
+        assert not finishes and events[-2] == {"error": errors[0]}, events[-3:]
+        return "error", errors[0]
+    assert finishes in (["stop"], ["length"]), events[-3:]
+    return "complete", (text, finishes[0])
+
+
+def test_streams_on_one_slot_wait_their_turn_and_end_complete(tiny_model: Any) -> None:
+    """The default --parallel 1 server: requests that arrive while a stream runs queue (ckpt-serve's default
+    --interrupt_requests false), whether they stream, leave mid-stream or wait for a whole reply."""
+    with run_server(model_args(tiny_model("llama"))) as ours:
+        alone = {i: ending(stream_data(ours, messages_of(i), LONG if i == 0 else 48)) for i in range(3)}
+        reply_alone = answer(ours, messages_of(3), 24)
+        first: dict[str, Any] = {}
+        started = threading.Event()
+        results: dict[int, Any] = {}
+        errors: list[BaseException] = []
+
+        def run(target: Any, *args: Any, **kwargs: Any) -> Any:
+            def guarded() -> None:
+                try:
+                    target(*args, **kwargs)
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+            return threading.Thread(target=guarded)
+
+        accepted_at: dict[int, int] = {}  # how many events the first stream had sent when each other was accepted
+
+        def streamed_into(i: int) -> None:
+            results[i] = ending(stream_data(ours, messages_of(i), 48,
+                                            on_start=lambda: accepted_at.setdefault(i, first["events"])))
+
+        def first_stream() -> None:
+            def seen(count: int) -> None:
+                first["events"] = count
+                started.set()
+            results[0] = ending(stream_data(ours, messages_of(0), LONG, on_event=seen))
+
+        threads = [run(first_stream)]
+        threads[0].start()
+        assert started.wait(BOUND)
+        threads += [run(streamed_into, 1), run(streamed_into, 2),
+                    run(drop_stream, ours, messages_of(4, "leaving"), 2, max_tokens=200, timeout=BOUND),
+                    run(lambda: results.setdefault(3, answer(ours, messages_of(3), 24)))]
+        for thread in threads[1:]:
+            thread.start()
+        for thread in threads:
+            thread.join(8 * BOUND)
+            assert not thread.is_alive()
+        assert not errors, errors
+        assert set(accepted_at) == {1, 2}
+        assert max(accepted_at.values()) < first["events"], (accepted_at, first)  # the first was still streaming
+        assert {i: results[i] for i in range(3)} == alone
+        assert all(kind == "complete" for kind, _ in alone.values())
+        assert results[3] == reply_alone
+        # and the next requests answer as before
+        assert ending(stream_data(ours, messages_of(2), 48)) == alone[2]
+        assert answer(ours, messages_of(3), 24) == reply_alone
+
+
+def test_a_stream_cut_by_interrupt_requests_ends_with_an_error_event(tiny_model: Any) -> None:
+    """--interrupt_requests true: a newer request takes the slot, and the stream it cut says so (503), never as if
+    it were complete; the newer request's stream is complete."""
+    with run_server(model_args(tiny_model("llama")) + ["--interrupt_requests", "true"]) as ours:
+        alone = {i: ending(stream_data(ours, messages_of(i), LONG if i == 0 else 48)) for i in range(2)}
+        started = threading.Event()
+        results: dict[int, tuple[str, Any]] = {}
+
+        def first_stream() -> None:
+            results[0] = ending(stream_data(ours, messages_of(0), LONG, on_event=lambda _: started.set()))
+
+        thread = threading.Thread(target=first_stream)
+        thread.start()
+        assert started.wait(BOUND)
+        results[1] = ending(stream_data(ours, messages_of(1), 48))
+        thread.join(BOUND)
+        assert not thread.is_alive()
+        kind, error = results[0]
+        assert kind == "error", results[0]
+        assert error["code"] == INTERRUPTED_STATUS and "--interrupt_requests" in error["message"], error
+        assert results[1] == alone[1]
+        # The official client raises it; a request on its own still runs to its end.
+        chat = client(ours, timeout=BOUND).chat
+        stream = chat.completions.create(model="m", messages=messages_of(0), max_tokens=LONG, temperature=0,
+                                         stream=True)
+        chunks = iter(stream)
+        next(chunks)
+        newer = threading.Thread(target=lambda: results.__setitem__(2, ending(stream_data(ours, messages_of(1), 48))))
+        newer.start()
+        with pytest.raises(openai.APIError) as raised:
+            for _ in chunks:
+                pass
+        newer.join(BOUND)
+        assert raised.value.code == str(INTERRUPTED_STATUS)  # the client reads codes as text
+        assert results[2] == alone[1]
+        assert ending(stream_data(ours, messages_of(0), LONG)) == alone[0]
 
 
 def test_concurrent_mixed_routes(tiny_model: Any, plain: Any, tmp_path: Any) -> None:

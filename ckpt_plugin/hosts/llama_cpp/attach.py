@@ -1,6 +1,6 @@
 """Attaching an engine to one ``llama_cpp.Llama``: the patched methods, attach and detach.
 
-:func:`attach` patches five methods on one ``llama_cpp.Llama`` instance (never the class):
+:func:`attach` patches seven methods on one ``llama_cpp.Llama`` instance (never the class):
 
 - ``generate``: before the host's own prefix matching runs, the manager restores the best state for the prompt
   (live memory, checkpoint or prompt-cache entry) and sets the host's ``n_tokens`` to what the memory holds, so the
@@ -10,6 +10,9 @@
 - ``save_state`` / ``load_state``: return and accept a :class:`SharedLlamaState` that references an immutable
   full-state capture and the slot's checkpoints instead of copying the state and the logits array;
 - ``set_cache``: installs :class:`HostPromptCache`, a ``BaseLlamaCache`` view of the manager's prefix-indexed cache;
+- ``_init_sampler``: a request's sampler chain with a grammar, or a request asking for ``ignore_eos``, becomes a
+  :class:`~ckpt_plugin.hosts.llama_cpp.guarded_sampling.GuardedSampler`: a grammar that matches nothing where the
+  generation went ends it with :class:`~ckpt_plugin.core.errors.GrammarDeadEnd` instead of aborting the process;
 - ``_create_completion``: notes whether the request reads logprobs (and of the prompt, with ``echo``), so that
   evaluation computes and keeps only the logits someone reads (:mod:`ckpt_plugin.hosts.llama_cpp.logits`).
 """
@@ -29,15 +32,17 @@ from ckpt_plugin.hosts.llama_cpp import compat as host
 from ckpt_plugin.tiers.ram import PromptCache
 from ckpt_plugin.core.config import CheckpointSettings
 from ckpt_plugin.tiers.disk import DiskTier
-from ckpt_plugin.core.errors import UnsupportedHostError
+from ckpt_plugin.core.errors import GrammarDeadEnd, OpaqueMemoryError, UnsupportedHostError
+from ckpt_plugin.core.memory import common_prefix
 from ckpt_plugin.hosts.llama_cpp.host_logprobs import completion_with_host_logprobs
 from ckpt_plugin.hosts.llama_cpp.logprobs import LogprobsRequest, stop_sequences
 from ckpt_plugin.hosts.llama_cpp.logits import generation_needs
 from ckpt_plugin.engine.manager import CheckpointManager
-from ckpt_plugin.core.request import RequestInterrupted, current_request
+from ckpt_plugin.core.request import Refused, RequestInterrupted, current_request
 from ckpt_plugin.engine.slot_controller import SlotController
 from ckpt_plugin.hosts.llama_cpp.backend import HostRows, LlamaBackend
 from ckpt_plugin.hosts.llama_cpp.context import version_tuple
+from ckpt_plugin.hosts.llama_cpp.guarded_sampling import end_of_generation_ids, guard
 from ckpt_plugin.hosts.llama_cpp.host_cache import (
     HostPromptCache,
     SharedLlamaState,
@@ -46,12 +51,12 @@ from ckpt_plugin.hosts.llama_cpp.host_cache import (
     tiers_for_host_cache,
 )
 from ckpt_plugin.hosts.llama_cpp.multimodal import MediaFlow, install_relay, remove_relay
-from ckpt_plugin.hosts.llama_cpp.outside_writes import same_handle
+from ckpt_plugin.hosts.llama_cpp.outside_writes import UNNAMED, Watched, same_handle
 
 TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
 """llama-cpp-python versions attach accepts: from the first (inclusive) to the second (exclusive)."""
 
-_PATCHED = ("eval", "generate", "save_state", "load_state", "set_cache", host.COMPLETION_METHOD)
+_PATCHED = ("eval", "generate", "save_state", "load_state", "set_cache", "_init_sampler", host.COMPLETION_METHOD)
 _MANAGER_ATTR = "_ckpt_plugin_attachment"
 
 
@@ -90,6 +95,7 @@ class Attachment:
         self.pending_reads: tuple[bool, bool] | None = None
         self._generate = type(llama).generate.__get__(llama)
         self._load_state = type(llama).load_state.__get__(llama)
+        self._init_sampler = type(llama)._init_sampler.__get__(llama)
         self._generate_signature = inspect.signature(type(llama).generate)
         completion = getattr(type(llama), host.COMPLETION_METHOD)
         self._create_completion = completion.__get__(llama)
@@ -116,6 +122,7 @@ class Attachment:
         llama.save_state = self.save_state
         llama.load_state = self.load_state
         llama.set_cache = self.set_cache
+        llama._init_sampler = self.init_sampler
         setattr(llama, host.COMPLETION_METHOD, self.create_completion)
 
     def install(self) -> None:
@@ -184,6 +191,71 @@ class Attachment:
         self.opaque_since = None
         return False
 
+    def _serve_outside_writes(self, prompt: np.ndarray) -> int | None:
+        """Serve a generation of ``prompt`` (with the host's reset) while the memory holds positions written from
+        outside by the host code about to complete them; return how many prompt tokens the host skips (it evaluates
+        the others after the memory's end, without its reset), or ``None`` when the engine serves the prompt.
+
+        The host alone, given exactly the tokens it holds, samples from the context's logits; otherwise it keeps
+        what its record shares with the prompt and evaluates from there, or, where the memory cannot drop its last
+        positions (recurrent, hybrid), empties it and evaluates its record again, stale ids in place of embeddings
+        included. Here nothing is evaluated at positions whose content the ids do not name:
+
+        - the prompt is what the memory holds (by the host's record) and the context holds the logits of its last
+          position: sampled from them, nothing evaluated (0);
+        - the prompt continues what the memory holds: only the tokens after it are evaluated (the memory's length);
+        - the prompt reuses only positions whose token ids are known (the engine's own record, the ids decoded there
+          from outside): the host's record is the truth there; it is recorded, the rest dropped, and the prompt is
+          served like any other, evaluated in full where the memory cannot be cut (``None``);
+        - an attention memory, which can drop positions: the host keeps the prefix its record shares with the prompt
+          (embeddings included) and evaluates the rest, provided none of it is an embedding's position (0);
+        - otherwise: refused, :class:`~ckpt_plugin.core.errors.OpaqueMemoryError`.
+        """
+        watched = getattr(self.backend, "watched", None)
+        if watched is None:
+            return 0  # nothing tells what the positions hold: as the host alone
+        llama, controller = self.llama, self.controller
+        n_host, memory_end = int(llama.n_tokens), int(self.backend.pos_max()) + 1
+        n = min(n_host, memory_end)
+        record = np.asarray(llama.input_ids[:n], dtype=np.int64)
+        common = common_prefix(record, prompt)
+        if n_host == memory_end == common:
+            if len(prompt) == common and watched.logits_end == memory_end:
+                host.set_logits_current(llama, True)
+                return 0
+            if len(prompt) > common:
+                return common
+        reuse = min(common, len(prompt) - 1)  # the host evaluates at least the last prompt token
+        truth = self._record_truth(record, watched)
+        named = int(np.argmin(truth == 1)) if not bool((truth == 1).all()) else n
+        if reuse <= named:
+            slot = controller.slot
+            if named > slot.n_tokens:
+                controller.memory.append(record[slot.n_tokens : named].astype(np.int32))
+            return None
+        if (not controller.kind.recurrent and controller.memory.window_serves(reuse)
+                and not bool((truth[:reuse] < 0).any()) and (reuse == common or truth[reuse] == 1)):
+            llama.n_tokens = n
+            host.set_logits_current(llama, False)
+            return 0
+        raise OpaqueMemoryError(
+            "the prompt names positions written outside the engine (embeddings or a direct decode) by the host's "
+            "record of them, and serving it would evaluate those ids in place of what the memory holds there")
+
+    def _record_truth(self, record: np.ndarray, watched: Watched) -> np.ndarray:
+        """Per position of the host's ``record``: 1 where the memory holds that token, 0 where what it holds is
+        unknown (embeddings, a copy, a write not seen), -1 where it holds another token."""
+        slot = self.controller.slot
+        k = min(slot.n_tokens, len(record))
+        held = np.concatenate((slot.tokens[:k].astype(np.int64), watched.names(k, len(record))))
+        return np.where(held == record, 1, np.where(held == UNNAMED, 0, -1))
+
+    def _continuation(self, tokens: list[int], args: tuple, kwargs: dict) -> tuple[list[int], tuple, dict]:
+        """The host's ``generate`` arguments to evaluate ``tokens`` after what it holds (without its reset)."""
+        bound = self._generate_signature.bind(self.llama, tokens, *args, **kwargs)
+        bound.arguments["reset"] = False
+        return list(bound.args[1]), tuple(bound.args[2:]), dict(bound.kwargs)
+
     def _sync_host(self, n_keep: int, tokens: np.ndarray) -> None:
         host.set_evaluated_prefix(self.llama, tokens, n_keep)
 
@@ -217,6 +289,16 @@ class Attachment:
         if prompt_end is None:
             prompt_end = llama.n_tokens + len(new)
         controller.process(new, prompt_end)
+
+    def init_sampler(self, *args: Any, **kwargs: Any) -> Any:
+        """The host's sampler chain, guarded where the request has a grammar or asks for ``ignore_eos``
+        (:func:`~ckpt_plugin.hosts.llama_cpp.guarded_sampling.guard`)."""
+        chain = self._init_sampler(*args, **kwargs)
+        request = current_request.get()
+        banned = None
+        if request is not None and request.ignore_eos:
+            banned = end_of_generation_ids(host.model_wrapper(self.llama))
+        return guard(chain, int(self.llama.n_vocab()), banned)
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """The host's ``_create_completion``, noting the logits the request reads; a request for logprobs runs the
@@ -272,29 +354,20 @@ class Attachment:
     ) -> Iterator[int]:
         generation = _Generation()
         reads, self.pending_reads = self.pending_reads, None
-        logprobs, echo = reads or (False, False)
         with self.controller.lock:
             # The newest generation owns the slot: an older one the host abandoned mid-stream is simply superseded.
             self.current = generation
             self.controller.busy = True
-            prompt = np.asarray(tokens, dtype=np.int32)
-            generation.prompt_end = len(tokens) if reset else self.llama.n_tokens + len(tokens)
-            needs = generation_needs(generation.prompt_end, logprobs=logprobs, echo=echo, stopping_criteria=stopping,
-                                     draft=self.llama.draft_model is not None)
-            limit = self.backend.begin_generation(needs, prompt if reset else prompt[:0])
-            self._reconcile()
-            media_done = reset and self.media.completed(prompt)
-            self.media.disarm()
-            if self._stands_aside():
-                self.controller.counters.add(stood_aside=1)
-            elif media_done and self.controller.slot.n_tokens == len(prompt) - 1 and (limit is None or
-                                                                                      limit >= len(prompt) - 1):
-                # The handler's chunks were served from the memory and the stores already, all but the last token.
-                self._sync_host(len(prompt) - 1, prompt)
-            elif reset and tokens:
-                n_keep = self.controller.prepare(prompt, max_keep=limit)
-                self._sync_host(n_keep, prompt)
-            self.generations += 1
+            try:
+                skip = self._begin(generation, tokens, reset, stopping, reads or (False, False))
+            except BaseException:  # a refused or failed prepare leaves the slot free, not busy for ever
+                generation.finished = True
+                if self.current is generation:
+                    self.backend.end_generation()
+                    self.controller.busy = False
+                raise
+        if skip:
+            tokens, args, kwargs = self._continuation(tokens[skip:], args, kwargs)
         request = current_request.get()
         try:
             if request is None:
@@ -314,11 +387,46 @@ class Attachment:
                     yield token
             except RequestInterrupted:
                 return  # between two batches of the prompt: the same end, before the first token
+            except GrammarDeadEnd as exc:
+                request.refused = Refused(422, "invalid_grammar", str(exc))
+                raise
         finally:
             generation.finished = True
             if self.current is generation:
                 self.backend.end_generation()
                 self.controller.busy = False
+
+    def _begin(self, generation: _Generation, tokens: list[int], reset: bool, stopping: bool,
+               reads: tuple[bool, bool]) -> int | None:
+        """Prepare the slot for a generation of ``tokens`` (the controller's lock held); how many prompt tokens the
+        host skips while standing aside (``None``: the engine serves the prompt)."""
+        logprobs, echo = reads
+        prompt = np.asarray(tokens, dtype=np.int32)
+        generation.prompt_end = len(tokens) if reset else self.llama.n_tokens + len(tokens)
+        needs = generation_needs(generation.prompt_end, logprobs=logprobs, echo=echo, stopping_criteria=stopping,
+                                 draft=self.llama.draft_model is not None)
+        limit = self.backend.begin_generation(needs, prompt if reset else prompt[:0])
+        self._reconcile()
+        media_done = reset and self.media.completed(prompt)
+        self.media.disarm()
+        skip: int | None = None
+        if self._stands_aside():
+            try:
+                skip = self._serve_outside_writes(prompt) if reset and tokens else 0
+            except OpaqueMemoryError:
+                self.generations += 1  # refused: the positions serve no later generation either
+                raise
+        if skip is not None:
+            self.controller.counters.add(stood_aside=1)
+        elif media_done and self.controller.slot.n_tokens == len(prompt) - 1 and (limit is None or
+                                                                                  limit >= len(prompt) - 1):
+            # The handler's chunks were served from the memory and the stores already, all but the last token.
+            self._sync_host(len(prompt) - 1, prompt)
+        elif reset and tokens:
+            n_keep = self.controller.prepare(prompt, max_keep=limit)
+            self._sync_host(n_keep, prompt)
+        self.generations += 1
+        return skip
 
     def save_state(self) -> LlamaState:
         with self.controller.lock:

@@ -169,6 +169,11 @@ class LlamaBackend(HostRows):
         self._memory = llama_cpp.llama_get_memory(llama.ctx)
         self._use_host(llama)
         self.watched = OUTSIDE_WRITES.watch(llama.ctx, self._memory, 0)
+        # What the memory held before the engine existed (a Llama attached again after detach, or after use alone):
+        # the host's record is all there is to name it, as the host alone would trust it.
+        held = min(int(llama.n_tokens), int(llama_cpp.llama_memory_seq_pos_max(self._memory, 0)) + 1)
+        if held > 0:
+            self.watched.named(0, np.asarray(llama.input_ids[:held], dtype=np.int64))
 
     def take_outside_write(self) -> int:
         """The first position written to the memory from outside the engine since the last call (a huge number
@@ -180,10 +185,20 @@ class LlamaBackend(HostRows):
         super().release()
 
     def decode(self, tokens: np.ndarray) -> None:
-        with engine_writes():
-            super().decode(tokens)
+        # The watched record follows the engine's writes too: what an outside write left is judged against it.
+        start = int(self.llama.n_tokens)
+        self.watched.unnamed(start)
+        try:
+            with engine_writes():
+                super().decode(tokens)
+        finally:
+            end = int(self.llama.n_tokens)
+            if end > start:
+                self.watched.named(start, np.asarray(tokens[: end - start]))
+                self.watched.decoded(end)  # every chunk's last row has logits
 
     def load_host_state(self, load: Callable[[LlamaState], None], state: LlamaState) -> None:
+        self.watched.unnamed(0)
         with engine_writes():
             super().load_host_state(load, state)
 
@@ -201,6 +216,7 @@ class LlamaBackend(HostRows):
 
     def write_state(self, buffer: np.ndarray, partial: bool) -> int:
         # The read-only buffer is handed over by address: llama.cpp only reads it.
+        self.watched.unnamed(0)
         with engine_writes():
             return int(
                 llama_cpp.llama_state_seq_set_data_ext(
@@ -216,11 +232,15 @@ class LlamaBackend(HostRows):
 
     def truncate(self, n_keep: int) -> bool:
         with engine_writes():
-            return bool(llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1))
+            done = bool(llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1))
+        if done:
+            self.watched.unnamed(n_keep)
+        return done
 
     def clear(self) -> None:
         with engine_writes():
             llama_cpp.llama_memory_seq_rm(self._memory, 0, -1, -1)
+        self.watched.unnamed(0)
 
     def _forget_after(self, n_past: int) -> None:
         ctx, _ = host.decode_handles(self.llama)

@@ -54,6 +54,18 @@ def set_evaluated_prefix(llama: Any, tokens: np.ndarray, n_keep: int) -> None:
     llama._requires_eval = True
 
 
+def set_logits_current(llama: Any, current: bool) -> None:
+    """Tell ``llama`` whether the context's logits are those of its last token (``Llama._requires_eval``, negated):
+    ``generate`` given exactly the tokens it holds then samples from them without evaluating anything."""
+    llama._requires_eval = not current
+
+
+def model_wrapper(llama: Any) -> Any:
+    """The ``LlamaModel`` that ``llama`` holds (``Llama._model``): one object per loaded model, shared by every view
+    of it, gone when the model is freed."""
+    return llama._model
+
+
 def give_own_state(view: Any, context: Any, stack: Any) -> None:
     """Make a shallow copy of a ``Llama`` independent of it: its own context wrapper (``_ctx``), exit stack
     (``_stack``: closing the copy must not free the original's model), no sampler, and its next token evaluated."""

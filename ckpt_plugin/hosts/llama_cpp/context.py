@@ -11,7 +11,7 @@ import hashlib
 import os
 import time
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import llama_cpp
 import llama_cpp._logger as llama_logger
@@ -137,8 +137,8 @@ def vocab_facts_in_worker(model_path: str) -> tuple[int, int]:
     return n_vocab, max(longest, 1)
 
 
-def grammar_problem_in_worker(model_path: str, text: str, is_schema: bool,
-                              step_budget: float | None = None) -> str | None:
+def grammar_problem_in_worker(model_path: str, text: str, is_schema: bool, step_budget: float | None = None,
+                              compiled: Callable[[], None] | None = None) -> str | None:
     """Why llama.cpp refuses a grammar (or a JSON schema the host turns into one) for the model at ``model_path``,
     or cannot sample with it.
 
@@ -149,6 +149,7 @@ def grammar_problem_in_worker(model_path: str, text: str, is_schema: bool,
     throw from inside the sampler, which aborts the process.
 
     :param step_budget: The most seconds one sampling step may take (``None``: no limit).
+    :param compiled: Called once the grammar compiled, before sampling with it (the parent times the two apart).
     """
     model = _worker_vocab_model(model_path)
     if is_schema:
@@ -162,6 +163,8 @@ def grammar_problem_in_worker(model_path: str, text: str, is_schema: bool,
     sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), b"root")
     if not sampler:
         return "llama.cpp could not parse the grammar"
+    if compiled is not None:
+        compiled()
     try:
         return _sampling_problem(model_path, vocab, sampler, step_budget, zlib.crc32(text.encode("utf-8")))
     finally:

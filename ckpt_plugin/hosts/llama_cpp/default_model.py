@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import pathlib
 import sys
 from typing import Any
@@ -59,7 +61,9 @@ def _assemble_with_progress(chunks: list[pathlib.Path], target: pathlib.Path) ->
     partial.replace(target)
 
 def is_default_model(path: str | pathlib.Path | None) -> bool:
-    """Whether ``path`` is the embedded default model's file (without assembling it)."""
+    """Whether ``path`` is the embedded default model's file, without assembling it: its place in the cache, or a
+    copy of it anywhere (the same size and SHA-256), so that the file gets the built-in model's chat format however
+    it is named."""
     if not path:
         return False
     try:
@@ -67,6 +71,27 @@ def is_default_model(path: str | pathlib.Path | None) -> bool:
     except ImportError:
         return False
     try:
-        return pathlib.Path(path).expanduser().resolve() == gemma.default_output_path().resolve()
+        candidate = pathlib.Path(path).expanduser().resolve()
+        if candidate == gemma.default_output_path().resolve():
+            return True
+        stat = candidate.stat()
     except OSError:
         return False
+    return _is_copy(str(candidate), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _is_copy(path: str, mtime_ns: int, size: int) -> bool:
+    # Cached per file version: the start-up checks, the chat format and the start-up line each ask. Only a file of the
+    # model's exact size is hashed (about a second for its 250 MB).
+    gemma = _package()
+    try:
+        if size != sum(chunk.stat().st_size for chunk in gemma.chunk_paths()):
+            return False
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while block := handle.read(8 << 20):
+                digest.update(block)
+    except OSError:
+        return False
+    return digest.hexdigest() == gemma.EXPECTED_SHA256

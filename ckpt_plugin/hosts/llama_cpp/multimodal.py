@@ -188,6 +188,11 @@ class MediaFlow:
             ids = flow[start:end]
 
             def fill() -> None:
+                watched = self._watched
+                if watched is not None:
+                    # libmtmd decodes from C, unseen: what the positions and the context's logits held goes.
+                    watched.unnamed(start)
+                    watched.decoded(None)
                 with engine_writes():
                     n_past = decode(start)
                 if n_past != end:

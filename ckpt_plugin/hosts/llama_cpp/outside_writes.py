@@ -14,6 +14,11 @@ the first position it may have changed; the engine reads that record (:meth:`Wat
 memory again. Calls on any other context pass straight through, at the cost of one dictionary lookup. The engine's
 own calls are made inside :func:`engine_writes`.
 
+Each :class:`Watched` also keeps, from every write it sees (the engine's included), which token id each position
+holds (:meth:`Watched.names`: none for embeddings, copies, state loads, removed positions) and whose logits the
+context holds (:attr:`Watched.logits_end`): what lets the completion that follows outside writes be served from the
+logits the host's writes left, and never by evaluating ids that do not name what a position holds.
+
 What Python cannot see: a C library calling ``llama_decode`` itself (libmtmd's helpers do). Such a write still makes
 the memory longer than the engine's record, which the engine notices by itself; the multimodal handlers' memory
 clears, which would hide it, go through ``llama_cpp`` and are seen here.
@@ -24,13 +29,17 @@ from __future__ import annotations
 import ctypes
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import llama_cpp
 import llama_cpp.llama_cpp as llama_cpp_module
+import numpy as np
 
 NOTHING_CHANGED = 1 << 62
 """What :meth:`Watched.take` returns when no outside write touched the sequence."""
+
+UNNAMED = -1
+"""What :meth:`Watched.names` gives for a position no token id is known to name."""
 
 _engine = threading.local()
 
@@ -71,6 +80,10 @@ class Watched:
         self._from = NOTHING_CHANGED
         self._skip_clears = False
         self._lock = threading.Lock()
+        # Per position, the token id the latest write there decoded (UNNAMED: embeddings, a copy, a state load, a
+        # removal, or never written as far as anything seen tells), by the engine or from outside.
+        self._names = np.full(0, UNNAMED, dtype=np.int64)
+        self._logits_end: int | None = None
 
     def wrote(self, position: int) -> None:
         with self._lock:
@@ -99,6 +112,48 @@ class Watched:
 
     def touches(self, seq_id: int) -> bool:
         return seq_id < 0 or seq_id == self.seq_id
+
+    # -- what the positions hold, and the context's logits ------------------------------------------------------------
+
+    def named(self, start: int, ids: np.ndarray) -> None:
+        """Positions ``start...`` now hold the tokens ``ids``."""
+        end = start + len(ids)
+        with self._lock:
+            if end > len(self._names):
+                grown = np.full(max(end, 2 * len(self._names)), UNNAMED, dtype=np.int64)
+                grown[: len(self._names)] = self._names
+                self._names = grown
+            self._names[start:end] = ids
+
+    def unnamed(self, start: int, end: int | None = None) -> None:
+        """Positions ``[start, end)`` (to the end of the sequence: ``None``) hold nothing a token id is known to name
+        (removed, or filled with embeddings or copied state); the context's logits are no longer theirs."""
+        start = max(0, start)
+        with self._lock:
+            self._names[start:end] = UNNAMED
+            if self._logits_end is not None and start < self._logits_end and (end is None or self._logits_end <= end):
+                self._logits_end = None
+
+    def names(self, start: int, end: int) -> np.ndarray:
+        """The token id each position of ``[start, end)`` holds as far as the writes seen tell (:data:`UNNAMED`:
+        unknown)."""
+        out = np.full(max(0, end - start), UNNAMED, dtype=np.int64)
+        with self._lock:
+            known = self._names[start:end]
+            out[: len(known)] = known
+        return out
+
+    def decoded(self, logits_end: int | None) -> None:
+        """A decode just ran on the context: the logits it holds now are those of position ``logits_end - 1`` of the
+        sequence (``None``: of no position of it)."""
+        with self._lock:
+            self._logits_end = logits_end
+
+    @property
+    def logits_end(self) -> int | None:
+        """One past the position of the sequence whose logits the context holds (``None``: none known)."""
+        with self._lock:
+            return self._logits_end
 
 
 class OutsideWrites:
@@ -139,9 +194,9 @@ class OutsideWrites:
         self._installed = True
         wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
             "llama_decode": self._batch_write,
-            "llama_encode": self._batch_write,
+            "llama_encode": self._encoder_write,
             "llama_memory_clear": self._clear,
-            "llama_memory_seq_rm": self._seq_write(1, 2),
+            "llama_memory_seq_rm": self._seq_write(1, 2, removes=True),
             "llama_memory_seq_cp": self._seq_write(2, 3),
             "llama_memory_seq_keep": self._keep,
             "llama_memory_seq_add": self._seq_write(1, 2),
@@ -164,7 +219,10 @@ class OutsideWrites:
 
     # -- wrappers ----------------------------------------------------------------------------------------------------
 
-    def _batch_write(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _encoder_write(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        return self._batch_write(original, encoder=True)
+
+    def _batch_write(self, original: Callable[..., Any], encoder: bool = False) -> Callable[..., Any]:
         def write(ctx: Any, batch: Any, *rest: Any) -> Any:
             watched = self._watched(self._by_ctx, ctx)
             if watched is None:
@@ -173,8 +231,13 @@ class OutsideWrites:
             if first is None:
                 memory = llama_cpp_module.llama_get_memory(ctx)
                 first = int(llama_cpp_module.llama_memory_seq_pos_max(memory, watched.seq_id)) + 1
+                contents = _contents(batch, watched, first)
+            else:
+                contents = _contents(batch, watched, None)
             result = original(ctx, batch, *rest)
             watched.wrote(first)
+            # An encoder's output is no token of the sequence's and leaves no logits to sample from.
+            _record(watched, contents, int(result) == 0 and not encoder)
             return result
 
         return write
@@ -188,11 +251,13 @@ class OutsideWrites:
                 return None
             result = original(memory, *rest)
             watched.wrote(0)
+            watched.unnamed(0)
             return result
 
         return clear
 
-    def _seq_write(self, seq_index: int, p0_index: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def _seq_write(self, seq_index: int, p0_index: int, removes: bool = False
+                   ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             def write(memory: Any, *args: Any) -> Any:
                 watched = self._watched(self._by_memory, memory)
@@ -200,7 +265,13 @@ class OutsideWrites:
                 if watched is not None:
                     seq_id = int(args[seq_index - 1])
                     if watched.touches(seq_id):
-                        watched.wrote(int(args[p0_index - 1]))  # p0 < 0 means from the start
+                        p0 = int(args[p0_index - 1])  # p0 < 0 means from the start
+                        watched.wrote(p0)
+                        if not removes:
+                            watched.unnamed(p0)  # copied or shifted: nothing there is named any more
+                        elif result:  # a recurrent memory refuses a partial removal and keeps everything
+                            p1 = int(args[p0_index])
+                            watched.unnamed(p0, p1 if p1 >= 0 else None)
                 return result
 
             return write
@@ -213,6 +284,7 @@ class OutsideWrites:
             result = original(memory, seq_id, *rest)
             if watched is not None and int(seq_id) != watched.seq_id:
                 watched.wrote(0)
+                watched.unnamed(0)
             return result
 
         return keep
@@ -223,6 +295,7 @@ class OutsideWrites:
             result = original(ctx, *args)
             if watched is not None:
                 watched.wrote(0)
+                watched.unnamed(0)
             return result
 
         return write
@@ -240,6 +313,7 @@ class OutsideWrites:
                     touched = True
                 if touched:
                     watched.wrote(0)
+                    watched.unnamed(0)
             return result
 
         return write
@@ -260,6 +334,48 @@ def _first_position(batch: Any, watched: Watched) -> int | None:
         if any(watched.touches(s) for s in seqs):
             first = min(first, int(batch.pos[i]))
     return first
+
+
+class _Contents(NamedTuple):
+    """What a batch writes to the watched sequence."""
+
+    positions: np.ndarray
+    ids: np.ndarray | None  # None: embeddings
+    logits_end: int | None  # one past the position whose logits the context holds after it
+
+
+def _contents(batch: Any, watched: Watched, next_position: int | None) -> _Contents:
+    """What ``batch`` writes to the watched sequence: its positions there, the token ids it decodes at them
+    (``None``: embeddings), and one past the position whose logits the context holds after it (``None``: the
+    batch's last row, the one a sampler reads, is not the sequence's or has none). ``next_position``: where
+    llama.cpp puts the batch when it left the positions to it."""
+    n = int(batch.n_tokens)
+    if next_position is not None:
+        positions = next_position + np.arange(n, dtype=np.int64)
+    else:
+        positions = np.array([int(batch.pos[i]) for i in range(n)], dtype=np.int64)
+    if batch.seq_id and batch.n_seq_id:
+        touched = np.array([any(watched.touches(batch.seq_id[i][j]) for j in range(batch.n_seq_id[i]))
+                            for i in range(n)], dtype=bool)
+    else:
+        touched = np.ones(n, dtype=bool)
+    ids = None if batch.embd or not batch.token else np.array([int(batch.token[i]) for i in range(n)], dtype=np.int64)
+    # Without per-token flags llama.cpp outputs the last token's logits only.
+    last_has_logits = n > 0 and (not batch.logits or bool(batch.logits[n - 1]))
+    logits_end = int(positions[-1]) + 1 if last_has_logits and touched[-1] else None
+    return _Contents(positions[touched], None if ids is None else ids[touched], logits_end)
+
+
+def _record(watched: Watched, contents: _Contents, decoded: bool) -> None:
+    """Note what a batch decoded from outside left in the sequence (if it failed: that nothing there is known)."""
+    positions, ids = contents.positions, contents.ids
+    if len(positions):
+        start, end = int(positions.min()), int(positions.max()) + 1
+        if decoded and ids is not None and end - start == len(positions) and bool((np.diff(positions) == 1).all()):
+            watched.named(start, ids)
+        else:
+            watched.unnamed(start, end)
+    watched.decoded(contents.logits_end if decoded else None)
 
 
 OUTSIDE_WRITES = OutsideWrites()

@@ -26,6 +26,7 @@ from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
 from llama_cpp.llama import Llama
 
 from ckpt_plugin.hosts.llama_cpp import compat as host
+from ckpt_plugin.hosts.llama_cpp.guarded_sampling import GuardedSampler
 from ckpt_plugin.hosts.llama_cpp.scheduler import release_hold
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
 
@@ -130,7 +131,8 @@ class SlotLlama(Llama):
 
     def _init_sampler(self, *args: Any, **kwargs: Any) -> LlamaSampler:
         """The host's sampler chain without its logits-processor sampler, and how to sample a row with it
-        (:class:`RowSampling`, kept for :meth:`sample`)."""
+        (:class:`RowSampling`, kept for :meth:`sample`). The view's attachment guards the chain it returns
+        (:class:`~ckpt_plugin.hosts.llama_cpp.guarded_sampling.GuardedSampler`) where the request needs it."""
         bound = _INIT_SAMPLER_SIGNATURE.bind(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
@@ -158,12 +160,15 @@ class SlotLlama(Llama):
             idx = kwargs.get("idx")
         rows = self.slot_rows()
         row = rows[idx - self.n_tokens if idx is not None else -1]
-        plan = self.row_sampling.get(sampler)
+        guarded = sampler if isinstance(sampler, GuardedSampler) else None
+        plan = self.row_sampling.get(sampler if guarded is None else guarded.chain)
         if plan is not None and plan.processors:
             row = row.copy()  # the processors may write to it; the slot's rows are the request's logprobs too
             input_ids = self._input_ids
             for processor in plan.processors:
                 row[:] = processor(input_ids, row)
+        if guarded is not None:
+            return guarded.sample_row(row, self.candidates())
         if plan is not None and plan.greedy:
             token = int(np.argmax(row))
             if not np.isnan(row[token]):  # llama.cpp's greedy sampler skips NaN, numpy's argmax picks it
