@@ -8,6 +8,8 @@ slot, and the event loop serves the slots one after another, so a step waits for
 caller's context variables) but one thread drives the iterator to its end, a bounded number of chunks ahead of the
 sender: a slot's next token is submitted as soon as its chunk is made, and the event loop is woken for the chunk
 when that token's step starts (at once if a step is decoding), so that sending it runs while llama.cpp computes.
+On asyncio (uvicorn) the stream's thread wakes the event loop itself (``call_soon_threadsafe``) rather than the loop
+waiting for each chunk in a worker thread: one wake-up a chunk instead of a worker thread's trip there and back.
 
 A consumer that stops (its client left, the request was cancelled) stops the thread: it makes no further chunk,
 and closes the iterator in its own thread, which frees the slot.
@@ -15,12 +17,14 @@ and closes the iterator in its own thread, which frees the slot.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 from collections import deque
 from typing import AsyncIterator, Callable, Iterable, Iterator, TypeVar
 
 import anyio
+import sniffio
 from starlette.concurrency import iterate_in_threadpool
 
 from ckpt_plugin.hosts.llama_cpp.scheduler import at_next_step
@@ -53,6 +57,14 @@ class Handoff:
         self.stopped = False
         self._items: deque[object] = deque()
         self._cond = threading.Condition()
+        self._waiter: Callable[[], None] | None = None  # an event loop consumer's wake-up (take_or_wait), once
+
+    def _wake(self) -> None:
+        """Wake the consumer, in a thread or on an event loop (the lock held)."""
+        self._cond.notify_all()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter()
 
     def put(self, item: object, notify: bool = True) -> bool:
         """Hand ``item`` over, waiting for room.
@@ -62,20 +74,34 @@ class Handoff:
         """
         with self._cond:
             while len(self._items) >= self.capacity and not self.stopped:
-                self._cond.notify_all()
+                self._wake()
                 self._cond.wait()
             if self.stopped:
                 return False
             self._items.append(item)
             if notify:
-                self._cond.notify_all()
+                self._wake()
             return True
 
     def flush(self) -> None:
         """Wake the consumer for the items handed over without notice."""
         with self._cond:
             if self._items:
+                self._wake()
+
+    def take_or_wait(self, waiter: Callable[[], None]) -> list[object] | None:
+        """Every item waiting, at once; if none, ``[]`` after registering ``waiter``, which the producer calls
+        (once, from its thread, without blocking) when it next wakes the consumer. ``None`` once stopped."""
+        with self._cond:
+            if self.stopped:
+                return None
+            if self._items:
+                items = list(self._items)
+                self._items.clear()
                 self._cond.notify_all()
+                return items
+            self._waiter = waiter
+            return []
 
     def take(self) -> list[object]:
         """Every item waiting, after waiting for one. :return: an empty list once stopped."""
@@ -93,7 +119,7 @@ class Handoff:
         """No more items: a waiting :meth:`put` or :meth:`take` returns, and later ones do at once."""
         with self._cond:
             self.stopped = True
-            self._cond.notify_all()
+            self._wake()
 
 
 Wake = Callable[[Callable[[], None]], None]
@@ -155,10 +181,14 @@ async def read_ahead(iterable: Iterable[T], depth: int = DEFAULT_DEPTH, wake: Wa
     thread = threading.Thread(target=context.run, args=(_produce, iter(iterable), handoff, wake),
                               name="ckpt-stream", daemon=True)
     thread.start()
+    loop = _asyncio_loop()
     try:
         while True:
-            # abandon_on_cancel: a cancelled request does not wait for a chunk; stop() below wakes the taker.
-            items = await anyio.to_thread.run_sync(handoff.take, abandon_on_cancel=True)
+            if loop is not None:
+                items = await _take_on_loop(handoff, loop)
+            else:
+                # abandon_on_cancel: a cancelled request does not wait for a chunk; stop() below wakes the taker.
+                items = await anyio.to_thread.run_sync(handoff.take, abandon_on_cancel=True)
             if not items:
                 return
             for item in items:
@@ -169,6 +199,34 @@ async def read_ahead(iterable: Iterable[T], depth: int = DEFAULT_DEPTH, wake: Wa
                 yield item  # type: ignore[misc]
     finally:
         handoff.stop()
+
+
+def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio loop, or ``None`` under another async library (trio)."""
+    if sniffio.current_async_library() != "asyncio":
+        return None
+    return asyncio.get_running_loop()
+
+
+async def _take_on_loop(handoff: Handoff, loop: asyncio.AbstractEventLoop) -> list[object]:
+    """:meth:`Handoff.take` without a worker thread: the producer wakes the loop itself (one wake-up a chunk,
+    where a worker thread's trip costs two and a thread switch; with every slot's chunk a step, those add up on
+    the path to the next step). ``[]`` once stopped."""
+    while True:
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop closed (shutdown): nobody is waiting any more
+                pass
+
+        items = handoff.take_or_wait(wake)
+        if items is None:
+            return []
+        if items:
+            return items
+        await ready.wait()
 
 
 def iterate_chunks(iterable: Iterable[T]) -> AsyncIterator[T]:

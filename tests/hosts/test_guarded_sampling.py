@@ -112,3 +112,17 @@ def test_parallel_slots_end_a_dead_end_and_keep_serving_the_others(make_llama: C
         assert [text_of(parallel.view(), p, grammar=grammar(LIVE)) for p in prompts] == expected
     finally:
         parallel.close()
+
+
+def test_ignore_eos_still_ends_where_the_grammar_is_complete(make_llama: Callable[..., Any]) -> None:
+    llama = make_llama("llama")
+    ckpt_plugin.attach(llama)
+    token = current_request.set(RequestScope(ignore_eos=True))
+    try:
+        reply = complete(llama, "hello", max_tokens=12, grammar=grammar('root ::= "ab"'))
+        free = complete(llama, "hello", max_tokens=12, grammar=grammar('root ::= [a-c]+'))
+    finally:
+        current_request.reset(token)
+    # Only the end of generation can follow "ab": it is sampled, though the request leaves it out elsewhere.
+    assert reply["choices"][0]["text"] == "ab" and reply["choices"][0]["finish_reason"] == "stop"
+    assert free["usage"]["completion_tokens"] == 12 and free["choices"][0]["finish_reason"] == "length"

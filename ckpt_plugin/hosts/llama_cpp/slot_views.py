@@ -26,7 +26,7 @@ from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
 from llama_cpp.llama import Llama
 
 from ckpt_plugin.hosts.llama_cpp import compat as host
-from ckpt_plugin.hosts.llama_cpp.guarded_sampling import GuardedSampler
+from ckpt_plugin.hosts.llama_cpp.guarded_sampling import GuardedSampler, fill_candidates
 from ckpt_plugin.hosts.llama_cpp.scheduler import release_hold
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
 
@@ -186,7 +186,7 @@ class SlotLlama(Llama):
 def sample_row(sampler: LlamaSampler, row: np.ndarray, candidates: LlamaTokenDataArray) -> int:
     """Sample a token from one logits ``row`` with ``sampler``, as ``llama_sampler_sample`` does from the context's
     output buffer: the candidates in vocabulary order, the sampler chain applied, the chosen token accepted."""
-    candidates.copy_logits(row)
+    fill_candidates(candidates, row)
     array = candidates.candidates
     # A sampler may point the array elsewhere (and shrink it): start from the full candidates each time.
     array.data = candidates.candidates_data.ctypes.data_as(llama_cpp.llama_token_data_p)
