@@ -12,7 +12,8 @@ so that the prompts are the same bytes on both servers and nothing needs a token
 Every reply is exactly 32 tokens on both servers (``ignore_eos``), sampled with each server's defaults (temperature
 0.8, top-k 40, top-p 0.95, min-p 0.05 on both), flash attention on both, ``n_batch`` 512, 2 threads, a 4,096-token
 context per slot. Inter-token latency is the gap between two consecutive chunks of one stream, over every stream of
-the run (median); TTFT is from sending the request to its first chunk.
+the run (median); TTFT is from sending the request to its first chunk. The servers take turns, one round after the
+other (``--rounds``, 2 by default), and each figure is the median of its rounds.
 
 ``python bench/streaming.py`` (``--quick``: fewer requests; ``--markdown PATH``: the section of docs/benchmarks.md). Needs ``llama-server`` on ``PATH`` for the ratios
 (``bash bench/build_llama_server.sh``).
@@ -167,18 +168,25 @@ def servers(model: str) -> list[Config]:
 def main() -> None:
     parser = cli(__doc__, quick_help="fewer requests")
     parser.add_argument("--markdown", type=pathlib.Path, help="also write the report as a section of docs/benchmarks.md")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, each server in turn (default 2)")
     args = parser.parse_args()
     model = gemma_path()
-    results: dict[str, dict[str, dict[str, float]]] = {}
+    rounds: dict[str, dict[str, list[dict[str, float]]]] = {}
     plan = workloads(args.quick)
-    for config in servers(model):
-        with start(config) as server:
-            stream(server.url, "Warm up: " + words(7, 64))  # loads what a first request loads
-            for name, (jobs, concurrency, turns) in plan.items():
-                streams, wall = run_jobs(server.url, jobs, concurrency, turns)
-                results.setdefault(name, {})[config.key] = summary(streams, wall)
-                print(name, config.label, json.dumps({k: round(v, 4) for k, v in results[name][config.key].items()}),
-                      flush=True)
+    # Rounds alternate the servers, so that a slower minute of a shared machine does not fall on one of them only;
+    # each figure is the median of its rounds.
+    for round_index in range(args.rounds):
+        for config in servers(model):
+            with start(config) as server:
+                stream(server.url, "Warm up: " + words(7, 64))  # loads what a first request loads
+                for name, (jobs, concurrency, turns) in plan.items():
+                    streams, wall = run_jobs(server.url, jobs, concurrency, turns)
+                    figures = summary(streams, wall)
+                    rounds.setdefault(name, {}).setdefault(config.key, []).append(figures)
+                    print(f"round {round_index}", name, config.label,
+                          json.dumps({k: round(v, 4) for k, v in figures.items()}), flush=True)
+    results = {name: {key: {metric: statistics.median(r[metric] for r in runs) for metric in runs[0]}
+                      for key, runs in by_server.items()} for name, by_server in rounds.items()}
     report = Report("Streaming side by side: TTFT, inter-token latency, output tokens/s (`bench/streaming.py`)")
     report.text(__doc__.split("\n\n", 1)[1].split("``python bench/streaming.py``")[0])
     rows = []
