@@ -276,7 +276,13 @@ class Attachment:
         if controller.memory.opaque:
             if n_host > slot.n_tokens:
                 # Host code evaluates after positions it wrote itself: as the host alone, nothing recorded.
-                self.backend.decode(new)
+                try:
+                    self.backend.decode(new)
+                except RuntimeError as exc:
+                    # llama.cpp refused the batch (nothing changed): the host's record and the memory disagree.
+                    raise OpaqueMemoryError(
+                        f"the host evaluates after positions written outside the engine where its record does not "
+                        f"match the memory ({exc}); nothing was evaluated") from exc
                 controller.counters.add(tokens_evaluated=len(new))
                 return
             controller.memory.discard_opaque()
