@@ -188,12 +188,19 @@ _SAMPLE_TOKENS = 4096
 _WORKER_EOG: dict[str, np.ndarray] = {}
 
 
-def _end_of_generation(model_path: str, vocab: Any, n_vocab: int) -> np.ndarray:
-    """Which tokens end a generation (a mask over the vocabulary), once per model."""
+def end_of_generation_mask(vocab: Any) -> np.ndarray:
+    """Which tokens of ``vocab`` end a generation (``llama_vocab_is_eog``), a mask over the vocabulary (a pass over
+    it: a tenth of a second for 262,144 tokens)."""
+    n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+    return np.fromiter((bool(llama_cpp.llama_vocab_is_eog(vocab, token)) for token in range(n_vocab)), dtype=bool,
+                       count=n_vocab)
+
+
+def _end_of_generation(model_path: str, vocab: Any) -> np.ndarray:
+    """:func:`end_of_generation_mask`, once per model in the grammar child."""
     mask = _WORKER_EOG.get(model_path)
     if mask is None:
-        mask = _WORKER_EOG[model_path] = np.fromiter(
-            (bool(llama_cpp.llama_vocab_is_eog(vocab, token)) for token in range(n_vocab)), dtype=bool, count=n_vocab)
+        mask = _WORKER_EOG[model_path] = end_of_generation_mask(vocab)
     return mask
 
 
@@ -240,7 +247,7 @@ def _sampling_problem(model_path: str, vocab: Any, sampler: Any, step_budget: fl
     have waited for a core).
     """
     n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-    eog = _end_of_generation(model_path, vocab, n_vocab)
+    eog = _end_of_generation(model_path, vocab)
     candidates = LlamaTokenDataArray(n_vocab=n_vocab)
     rng = np.random.default_rng(seed)
     every = np.arange(n_vocab, dtype=np.intc)

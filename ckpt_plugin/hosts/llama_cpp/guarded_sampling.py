@@ -32,6 +32,7 @@ import numpy as np
 from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
 
 from ckpt_plugin.core.errors import GrammarDeadEnd
+from ckpt_plugin.hosts.llama_cpp.context import end_of_generation_mask
 
 _GRAMMAR_NAME = b"grammar"
 
@@ -76,15 +77,11 @@ _EOG_LOCK = threading.Lock()
 
 
 def end_of_generation_ids(model: Any) -> np.ndarray:
-    """The ids of the end-of-generation tokens (``llama_vocab_is_eog``) of ``model``, a ``LlamaModel``; found once
-    per model (a pass over the vocabulary: a tenth of a second for 262,144 tokens)."""
+    """The ids of the end-of-generation tokens of ``model``, a ``LlamaModel``; found once per model."""
     with _EOG_LOCK:
         ids = _EOG_IDS.get(model)
         if ids is None:
-            vocab = model.vocab
-            n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-            ids = _EOG_IDS[model] = np.fromiter(
-                (t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)), dtype=np.intc)
+            ids = _EOG_IDS[model] = np.flatnonzero(end_of_generation_mask(model.vocab)).astype(np.intc)
         return ids
 
 
@@ -97,23 +94,18 @@ class GuardedSampler:
     :param chain: The chain the host built for the request (grammar included).
     :param n_vocab: The model's vocabulary size.
     :param banned: Token ids never chosen while the grammar (if any) allows another (``None``: none).
+    :param names: The name of each sampler of ``chain`` (read once, by :func:`guard`).
     """
 
-    def __init__(self, chain: LlamaSampler, n_vocab: int, banned: np.ndarray | None = None) -> None:
+    def __init__(self, chain: LlamaSampler, n_vocab: int, banned: np.ndarray | None, names: list[bytes]) -> None:
         self.chain = chain
         self.sampler = chain.sampler
         self.n_vocab = n_vocab
         self.banned = banned if banned is not None and len(banned) else None
-        names = _chain_names(chain)
         self._grammar = names.index(_GRAMMAR_NAME) if _GRAMMAR_NAME in names else None
         self._n = len(names)
         self._candidates: LlamaTokenDataArray | None = None
         self.accepted = 0
-
-    @property
-    def has_grammar(self) -> bool:
-        """Whether the chain holds a grammar sampler."""
-        return self._grammar is not None
 
     def candidates(self) -> LlamaTokenDataArray:
         """A candidates array of the vocabulary's size, made once per sampler."""
@@ -202,8 +194,7 @@ def _mask(n: int, ids: np.ndarray) -> np.ndarray:
 def guard(chain: LlamaSampler, n_vocab: int, banned: np.ndarray | None = None) -> LlamaSampler | GuardedSampler:
     """``chain`` itself when it needs no checks (no grammar, nothing banned), else a :class:`GuardedSampler` over
     it."""
-    if banned is None or not len(banned):
-        names = _chain_names(chain)
-        if _GRAMMAR_NAME not in names:
-            return chain
-    return GuardedSampler(chain, n_vocab, banned)
+    names = _chain_names(chain)
+    if _GRAMMAR_NAME not in names and (banned is None or not len(banned)):
+        return chain
+    return GuardedSampler(chain, n_vocab, banned, names)

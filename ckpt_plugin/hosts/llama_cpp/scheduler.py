@@ -20,7 +20,6 @@ contexts are not thread-safe.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import threading
 import time
@@ -459,27 +458,17 @@ class BatchScheduler:
         """Copy each submission's logits rows out of llama.cpp's buffer before the next step overwrites it.
 
         llama.cpp keeps the rows of the flagged tokens together, in the batch's order: one view of the whole block,
-        then a slice per submission (a view per row, made through ctypes, costs more than copying the row)."""
+        then a slice per submission (not a view per row, each made through ctypes)."""
         counts = [int(np.count_nonzero(submission.flags[start : start + count])) for submission, start, count in step]
         n_outputs = sum(counts)
         if not n_outputs:
             return
-        address = ctypes.cast(llama_cpp.llama_get_logits(self.context.ctx), ctypes.c_void_p).value
-        if not address:
+        logits = llama_cpp.llama_get_logits(self.context.ctx)
+        if not logits:
             raise StateRestoreError("llama.cpp holds no logits after a step that asked for them")
-        block = np.asarray(_Rows(address, n_outputs, self.context.n_vocab))
+        block = np.ctypeslib.as_array(logits, shape=(n_outputs, self.context.n_vocab))
         at = 0
         for (submission, _, _), m in zip(step, counts):
             submission.outputs[submission.rows : submission.rows + m] = block[at : at + m]
             submission.rows += m
             at += m
-
-
-class _Rows:
-    """llama.cpp's logits buffer (``n`` rows of ``n_vocab`` floats at ``address``) as numpy sees an array."""
-
-    def __init__(self, address: int, n: int, n_vocab: int) -> None:
-        self.__array_interface__ = {"data": (address, True), "shape": (n, n_vocab), "typestr": "<f4",
-                                    "version": 3}
-
-
