@@ -72,8 +72,8 @@ def run_config(name: str, batch: list[list[int]], n_generate: int) -> dict[str, 
             "decode_tokens_per_second": decode_tokens / sum(seconds for seconds, _ in timed) * SLOTS,
             "wall": wall,
             "acceptance": drafts.acceptance if drafts is not None else float("nan"),
-            "draft_steps": drafts.scheduler.steps if drafts is not None else 0,
-            "draft_shared_steps": drafts.scheduler.shared_steps if drafts is not None else 0,
+            "draft_steps": drafts.lane.steps if drafts is not None else 0,
+            "draft_shared_steps": drafts.lane.shared_steps if drafts is not None else 0,
             "target_steps": parallel.scheduler.steps,
         }
     finally:

@@ -149,7 +149,7 @@ class CheckpointLlamaProxy(LlamaProxy):
             if parallel is not None and self.managers.get(name) is parallel.manager:
                 stats["batching"] = parallel.scheduler.stats()
                 if parallel.drafts is not None:
-                    stats["batching"]["draft"] = parallel.drafts.scheduler.stats()
+                    stats["batching"]["draft"] = parallel.drafts.lane.stats()
         return {**{name: stats for name, stats in dict(self._unloaded).items() if name not in live}, **live}
 
 

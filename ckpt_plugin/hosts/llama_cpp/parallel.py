@@ -16,8 +16,9 @@
   where the prompt's tokens are known: the idle slot sharing the longest prefix with them
   (:mod:`ckpt_plugin.hosts.llama_cpp.slot_choice`), leased until the generation ends.
 
-Speculative decoding: with a draft model (``draft=``), a draft context of N sequences whose drafting steps are batched
-like the target's, one draft per slot, its state stored with the slot's checkpoints
+Speculative decoding: with a draft model (``draft=``), a draft context of N sequences whose drafting steps run in the
+target scheduler's loop, every speculating slot's drafts in one batch per step, its state stored with the slot's
+checkpoints
 (:mod:`ckpt_plugin.hosts.llama_cpp.slot_drafts`); llama-cpp-python's prompt lookup decoding
 (``LlamaPromptLookupDecoding`` as the host's ``draft_model``) gets an instance per slot.
 """
@@ -241,7 +242,7 @@ class ParallelLlama:
         self.lookups = [copy.copy(host_draft) for _ in range(n_slots)] if host_draft is not None else None
         self.drafts: SlotDrafts | None = None
         if draft is not None:
-            self.drafts = SlotDrafts(draft, llama, n_slots=n_slots, n_ctx=n_ctx, n_draft=n_draft)
+            self.drafts = SlotDrafts(draft, llama, self.scheduler, n_slots=n_slots, n_ctx=n_ctx, n_draft=n_draft)
             states = self.drafts.state_plugin()
             try:
                 states.on_attach(self.manager)

@@ -1,12 +1,16 @@
 """A draft model for every slot of a :class:`~ckpt_plugin.hosts.llama_cpp.parallel.ParallelLlama`.
 
 One draft context over the draft model's weights holds a sequence per slot, as the target context does
-(:class:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceContext`); its own
-:class:`~ckpt_plugin.hosts.llama_cpp.scheduler.BatchScheduler` decodes the drafting steps of every speculating slot in
-one batch. Each draft sequence is kept in step with its slot's tokens by an engine of its own (only new tokens are
-evaluated; rejected drafts are cut off), and its state rides in every checkpoint and cache entry of the target slot
-(the named extra state ``draft``, :class:`SlotDraftStates`), so that after a restore the draft evaluates only the
-tokens past it, whichever slot the state is restored into.
+(:class:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceContext`). Its steps are a lane of the target's
+:class:`~ckpt_plugin.hosts.llama_cpp.scheduler.BatchScheduler`: one loop drafts for every speculating slot in one batch
+per drafting step (each slot's drafting runs whole in the scheduler's thread), then verifies every slot's drafts in
+one target step, and the two contexts never compute at once. Each draft sequence is kept in step with its slot's
+tokens by an engine of its own (only new tokens are evaluated; rejected drafts are cut off), and its state rides in
+every checkpoint and cache entry of the target slot (the named extra state ``draft``, :class:`SlotDraftStates`), so
+that after a restore the draft evaluates only the tokens past it, whichever slot the state is restored into.
+
+How many tokens a slot drafts adapts to how many of its drafts the target keeps (:class:`DraftLength`), as llama.cpp's
+server shortens the drafts of a slot whose drafts fail.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.engine.slot_controller import SlotController
 from ckpt_plugin.hosts.llama_cpp.context import LlamaDraftModel
-from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler
+from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler, DecodeLane
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
 from ckpt_plugin.hosts.llama_cpp.speculative import (
     DRAFT_ENGINE_SETTINGS,
@@ -35,31 +39,87 @@ from ckpt_plugin.plugins.hookspecs import hookimpl
 
 
 class DraftSequence(SequenceBackend):
-    """One sequence of the draft context, evaluated through the draft scheduler (in one batch with the other slots'
-    drafting steps); keeps the logits of its last token.
+    """One sequence of the draft context, evaluated through the draft lane (in one batch with the other slots'
+    drafting steps).
+
+    :meth:`draft` evaluates the tokens the sequence lacks and drafts past them in one submission; the engine then
+    records what that evaluated through :meth:`decode`, which evaluates nothing for tokens the drafting already put
+    into the sequence (:attr:`ahead`).
 
     :param context: The draft context.
     :param seq_id: The sequence (the target slot's id).
-    :param scheduler: The draft context's scheduler.
+    :param lane: The draft context's lane of the target's scheduler.
     """
 
-    def __init__(self, context: SequenceContext, seq_id: int, scheduler: BatchScheduler) -> None:
+    def __init__(self, context: SequenceContext, seq_id: int, lane: DecodeLane) -> None:
         super().__init__(context, seq_id)
-        self.scheduler = scheduler
-        self.last_row = np.zeros(context.n_vocab, dtype=np.single)
+        self.lane = lane
+        # Tokens the last drafting evaluated past the engine's record, which the engine's next decode records.
+        self.ahead = np.empty(0, dtype=np.int32)
+
+    def draft(self, tokens: np.ndarray, n_draft: int) -> list[int]:
+        """Evaluate ``tokens`` after the sequence's end and draft ``n_draft`` greedy tokens past them; the sequence
+        then holds ``tokens`` and all drafted tokens but the last, which :attr:`ahead` holds for the engine."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        n_past = self.pos_max() + 1
+        self.ahead = np.empty(0, dtype=np.int32)
+        try:
+            drafted = self.lane.draft(self.seq_id, tokens, n_past, n_draft)
+        except BaseException:
+            self.evaluated(None)
+            raise
+        self.ahead = np.concatenate([tokens, np.asarray(drafted[:-1], dtype=np.int32)])
+        self.evaluated(n_past + len(self.ahead), self.lane.pos_min_after.get(self.seq_id))
+        return drafted
 
     def decode(self, tokens: np.ndarray) -> None:
         tokens = np.asarray(tokens, dtype=np.int32)
         if not len(tokens):
             return
+        ahead = self.ahead
+        if len(ahead) >= len(tokens) and np.array_equal(ahead[: len(tokens)], tokens):
+            self.ahead = ahead[len(tokens):]  # evaluated by the drafting: recorded, not evaluated again
+            return
+        if len(ahead):  # not what the drafting evaluated: those positions go
+            self.ahead = np.empty(0, dtype=np.int32)
+            self.remove(self.pos_max() + 1 - len(ahead), -1)
         n_past = self.pos_max() + 1
         try:
-            rows = self.scheduler.decode(self.seq_id, tokens, n_past, len(tokens) - 1)
+            self.lane.decode(self.seq_id, tokens, n_past, len(tokens) - 1)
         except BaseException:
             self.evaluated(None)
             raise
-        self.evaluated(n_past + len(tokens), self.scheduler.pos_min_after.get(self.seq_id))
-        self.last_row = rows[-1]
+        self.evaluated(n_past + len(tokens), self.lane.pos_min_after.get(self.seq_id))
+
+    def remove(self, p0: int, p1: int) -> bool:
+        self.ahead = np.empty(0, dtype=np.int32)  # a cut: the engine's record is what counts again
+        return super().remove(p0, p1)
+
+
+class DraftLength:
+    """How many tokens a slot drafts: ``n_max`` while the target keeps its drafts, fewer after drafts it rejects.
+
+    After each verified draft the length moves toward what was accepted plus one, never below ``n_min``, so a slot
+    whose drafts fail stops paying for drafting steps and verification rows that buy nothing, and a slot whose drafts
+    hold grows back to ``n_max``.
+    """
+
+    def __init__(self, n_max: int, n_min: int = 1) -> None:
+        self.n_max = n_max
+        self.n_min = min(n_min, n_max)
+        self.current = n_max
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """A draft of ``drafted`` tokens was verified, ``accepted`` of them kept."""
+        if drafted <= 0:
+            return
+        if accepted >= drafted:
+            self.current = min(self.n_max, self.current + 1)
+        else:
+            self.current = max(self.n_min, min(self.current, accepted + 1))
+
+    def reset(self) -> None:
+        self.current = self.n_max
 
 
 class SlotDraft(LlamaDraftModel):
@@ -72,6 +132,7 @@ class SlotDraft(LlamaDraftModel):
     def __init__(self, drafts: SlotDrafts, slot_id: int) -> None:
         self.drafts = drafts
         self.slot_id = slot_id
+        self.length = DraftLength(drafts.n_draft)
         self._last: tuple[int, list[int]] | None = None
 
     @property
@@ -91,15 +152,14 @@ class SlotDraft(LlamaDraftModel):
         if len(tokens) == 0:
             return np.empty(0, dtype=np.intc)
         self._score_last_draft(tokens)
-        controller, n_draft = self.controller, self.drafts.n_draft
-        drafted: list[int] = []
+        controller = self.controller
+        backend = self.drafts.sequences[self.slot_id]
         with controller.lock:
-            self.sync(tokens)
-            backend = self.drafts.sequences[self.slot_id]
-            for i in range(n_draft):
-                drafted.append(int(np.argmax(backend.last_row)))
-                if i + 1 < n_draft:
-                    controller.process(np.asarray(drafted[-1:], dtype=np.int32))
+            # At least the last token is evaluated: its logits give the first drafted token.
+            n_keep = controller.prepare(tokens)
+            drafted = backend.draft(tokens[n_keep:], self.length.current)
+            # The engine records what the drafting evaluated (the backend evaluates none of it again).
+            controller.process(np.concatenate([tokens[n_keep:], np.asarray(drafted[:-1], dtype=np.int32)]))
         self.drafts.count(drafted=len(drafted))
         self._last = (len(tokens), drafted)
         return np.asarray(drafted, dtype=np.intc)
@@ -107,13 +167,17 @@ class SlotDraft(LlamaDraftModel):
     def start_generation(self) -> None:
         """A new generation holds the slot: the last draft (another generation's) is not this one's to score."""
         self._last = None
+        self.length.reset()
 
     def _score_last_draft(self, tokens: np.ndarray) -> None:
-        """Count the tokens of the previous draft that the target accepted (``tokens`` holds them where it did)."""
+        """Count the tokens of the previous draft that the target accepted (``tokens`` holds them where it did), and
+        adapt the draft length to them."""
         if self._last is None:
             return
         start, drafted = self._last
-        self.drafts.count(scored=len(drafted), accepted=accepted_prefix(tokens, start, drafted))
+        accepted = accepted_prefix(tokens, start, drafted)
+        self.length.update(len(drafted), accepted)
+        self.drafts.count(scored=len(drafted), accepted=accepted)
 
 
 class SlotDrafts:
@@ -121,9 +185,11 @@ class SlotDrafts:
 
     :param draft: The draft ``Llama`` (its weights are used; its own context is not).
     :param target: The target ``Llama``; its vocabulary must be the draft's.
+    :param scheduler: The target context's scheduler: the draft context becomes a lane of it.
     :param n_slots: Slots of the target.
     :param n_ctx: Positions each slot's draft sequence can hold (the target's per slot).
-    :param n_draft: Tokens drafted per call.
+    :param n_draft: The most tokens drafted per call (fewer for a slot whose drafts the target rejects).
+    :ivar lane: The draft context's steps, in the target scheduler's loop.
     :ivar engine: The draft context's engine: one slot per target slot, no cache of its own (the target's checkpoints
         carry the draft state), no shared tier, no checkpoints.
     :ivar drafted: Tokens drafted so far.
@@ -132,13 +198,15 @@ class SlotDrafts:
     :ivar accepted: Of those, the tokens the target accepted.
     """
 
-    def __init__(self, draft: Llama, target: Llama, *, n_slots: int, n_ctx: int, n_draft: int = 4) -> None:
+    def __init__(self, draft: Llama, target: Llama, scheduler: BatchScheduler, *, n_slots: int, n_ctx: int,
+                 n_draft: int = 4) -> None:
         check_draft_pair(draft, target, n_draft)
         self.llama = draft
         self.n_draft = n_draft
+        self.scheduler = scheduler
         self.context = SequenceContext(draft, n_slots, n_ctx=n_ctx * n_slots, unified=False)
-        self.scheduler = BatchScheduler(self.context)
-        self.sequences = [DraftSequence(self.context, i, self.scheduler) for i in range(n_slots)]
+        self.lane = scheduler.add_lane(self.context)
+        self.sequences = [DraftSequence(self.context, i, self.lane) for i in range(n_slots)]
         self.engine = CheckpointManager(self.sequences[0], more_slots=self.sequences[1:], **DRAFT_ENGINE_SETTINGS)
         self.models = [SlotDraft(self, i) for i in range(n_slots)]
         self.drafted = 0
@@ -160,20 +228,20 @@ class SlotDrafts:
 
     @contextlib.contextmanager
     def drafting(self, slot_id: int) -> Iterator[SlotDraft]:
-        """While a generation holds ``slot_id``: its draft model, whose steps the draft scheduler waits for."""
+        """While a generation holds ``slot_id``: its draft model (the scheduler already waits for the slot's steps,
+        on either context)."""
         model = self.models[slot_id]
         model.start_generation()
-        with self.scheduler.generating(slot_id):
-            yield model
+        yield model
 
     def state_plugin(self) -> SlotDraftStates:
         """The plugin that stores each slot's draft state with the target slot's checkpoints."""
         return SlotDraftStates(self)
 
     def close(self) -> None:
-        """Close the draft engine, stop its scheduler and free the draft context."""
+        """Close the draft engine and free the draft context (after the target's scheduler stopped: its thread
+        decodes the draft lane)."""
         self.engine.close()
-        self.scheduler.close()
         self.context.close()
 
 
