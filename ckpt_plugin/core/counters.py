@@ -52,6 +52,10 @@ class Counters:
     tokens_shared: int = 0
     # Generations that waited for another slot to evaluate the new prefix they share, instead of evaluating it too.
     prefix_waits: int = 0
+    # Media chunks (an image, an audio clip) a multimodal projector encoded and the model decoded, and their
+    # positions (in tokens_evaluated too): a follow-up about an image the memory or a store holds adds none.
+    media_chunks: int = 0
+    media_positions: int = 0
 
     def __post_init__(self) -> None:
         # An attribute, not a field: fields(), asdict() and == see only the counts.

@@ -344,6 +344,7 @@ class SlotController:
             self._evaluated(np.asarray(ids, dtype=np.int32), time.perf_counter() - decoding, prompt_end)
         finally:
             self.branch_point = saved
+        self.counters.add(media_chunks=1, media_positions=len(ids))
         self.memory.pin()
 
     def _evaluated(self, chunk: np.ndarray, seconds: float, prompt_end: int,

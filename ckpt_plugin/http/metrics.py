@@ -49,6 +49,9 @@ COUNTERS = {
     "stood_aside": "Generations served as the host alone would: the memory held positions written outside the "
                    "engine (image embeddings, a direct llama_decode) that no token id names",
     "outside_writes_dropped": "Times positions written outside the engine were dropped before serving a prompt",
+    "media_chunks": "Media chunks (images, audio) encoded by the multimodal projector and decoded (a follow-up about "
+                    "an image the memory or a store holds adds none)",
+    "media_positions": "Positions those media chunks filled (counted in ckpt_tokens_evaluated_total too)",
 }
 SHARED_COUNTERS = {
     "hits": "Prompts served from a shared-tier entry",

@@ -120,9 +120,10 @@ def check_chat_formats(models: list[ModelSettings], sources: list[str]) -> None:
 
 def check_parallel(models: list[ModelSettings], parallel: int, parallel_source: str = "parallel",
                    draft_sources: list[str] | None = None, draft_model: str | None = None) -> None:
-    """Refuse what parallel slots do not serve yet, before a model loads: several models, a multimodal projector, or
-    two ways of drafting at once (llama_cpp.server's ``--draft_model``, prompt lookup decoding, with ckpt-serve's
-    ``--draft-model``).
+    """Refuse what parallel slots do not serve, before a model loads: several models, two ways of drafting at once
+    (llama_cpp.server's ``--draft_model``, prompt lookup decoding, with ckpt-serve's ``--draft-model``), or a
+    multimodal projector with either way of drafting (a slot's draft would be handed an image's positions as tokens;
+    one slot serves that pair as the host alone does, without reusing images).
 
     :param parallel_source: Where ``parallel`` was set (a flag, variable or config key).
     :param draft_sources: Where each model's ``draft_model`` was set.
@@ -138,10 +139,11 @@ def check_parallel(models: list[ModelSettings], parallel: int, parallel_source: 
         if model.draft_model is not None and draft_model is not None:
             raise ConfigError(f"{source} with draft-model: a slot drafts with one of them (prompt lookup decoding, "
                               "or the draft model); choose one")
-        if model.clip_model_path:
-            raise ConfigError(f"{parallel_source} with clip_model_path: parallel slots do not decode images or audio "
-                              "yet (a multimodal chat handler evaluates before its completion has a slot); serve a "
-                              "multimodal model with parallel 1")
+        if model.clip_model_path and (model.draft_model is not None or draft_model is not None):
+            which = source if model.draft_model is not None else "draft-model"
+            raise ConfigError(f"{parallel_source} with clip_model_path and {which}: parallel slots do not draft for "
+                              "prompts with images or audio (a draft would be handed their positions as tokens); "
+                              "serve the projector without a draft, or with parallel 1")
 
 
 SettingSource = Callable[[int, str], str]

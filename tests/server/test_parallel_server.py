@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
 
+from support.concurrency import all_at_once
+from support.near_ties import NEAR_TIE, reference, same_or_near_tie
 from support.servers import client, drop_stream, model_args, run_server
 
 BOUND = 90.0
@@ -38,50 +39,6 @@ def chat(server: Any, messages: list[dict[str, str]], stream: bool = False, api_
         return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices), None
     reply = c.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0)
     return reply.choices[0].message.content or "", reply.usage
-
-
-def all_at_once(calls: list[Callable[[], Any]]) -> list[Any]:
-    """Run ``calls`` concurrently, started together; re-raise the first failure."""
-    barrier = threading.Barrier(len(calls))
-
-    def run(call: Callable[[], Any]) -> Any:
-        barrier.wait()
-        return call()
-
-    with ThreadPoolExecutor(len(calls)) as pool:
-        return list(pool.map(run, calls))
-
-
-NEAR_TIE = 1e-2
-"""A batch of several sequences is computed with matrix kernels whose rounding differs from a single sequence's
-(logits differ by about 1e-3): at temperature 0 a reply may differ from the plain server's only where its top two
-tokens were this close."""
-
-
-def reference(plain: Any, messages: list[dict[str, str]], max_tokens: int = 16) -> tuple[str, list[tuple[str, float]]]:
-    """The plain server's reply, and for each of its tokens the margin of the chosen token over the runner-up."""
-    chat = client(plain, timeout=BOUND).chat
-    reply = chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True,
-                                    top_logprobs=2)
-    choice = reply.choices[0]
-    margins = []
-    for item in choice.logprobs.content if choice.logprobs else []:
-        others = [t.logprob for t in item.top_logprobs if t.token != item.token]
-        margins.append((item.token, item.logprob - max(others, default=float("-inf"))))
-    return choice.message.content or "", margins
-
-
-def same_or_near_tie(text: str, expected: tuple[str, list[tuple[str, float]]]) -> bool:
-    """Whether ``text`` is the expected reply, or leaves it first at a token whose margin was a near tie."""
-    expected_text, margins = expected
-    if text == expected_text:
-        return True
-    said = ""
-    for token, margin in margins:
-        if not text.startswith(said + token):
-            return margin < NEAR_TIE
-        said += token
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +273,12 @@ def test_four_concurrent_chats_with_a_draft_answer_as_without_one(tiny_model: An
 @pytest.mark.parametrize("extra, words", [
     (["--draft-model", "{model}", "--draft_model", "prompt-lookup-decoding"], "choose one"),
     (["--config_file", "{two_models}"], "serves one model"),
-    (["--chat_format", "llava-1-5", "--clip_model_path", "{model}"], "parallel slots do not decode images"),
+    # Images are served on any slot (test_parallel_vision.py), but not with a slot's draft, which would be handed an
+    # image's positions as tokens.
+    (["--chat_format", "llava-1-5", "--clip_model_path", "{model}", "--draft-model", "{model}"],
+     "with clip_model_path and draft-model: parallel slots do not draft for prompts with images"),
+    (["--chat_format", "llava-1-5", "--clip_model_path", "{model}", "--draft_model", "prompt-lookup-decoding"],
+     "with clip_model_path and --draft_model: parallel slots do not draft for prompts with images"),
 ])
 def test_parallel_refuses_what_it_cannot_serve_in_one_line(tiny_model: Any, tmp_path: Any, extra: list[str],
                                                           words: str) -> None:

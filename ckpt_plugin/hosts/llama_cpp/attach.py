@@ -50,7 +50,7 @@ from ckpt_plugin.hosts.llama_cpp.host_cache import (
     mark_host_only,
     tiers_for_host_cache,
 )
-from ckpt_plugin.hosts.llama_cpp.multimodal import MediaFlow, install_relay, remove_relay
+from ckpt_plugin.hosts.llama_cpp.multimodal import MediaChunkDecode, MediaFlow, install_relay, remove_relay
 from ckpt_plugin.hosts.llama_cpp.outside_writes import UNNAMED, Watched, same_handle
 
 TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
@@ -150,10 +150,10 @@ class Attachment:
     def owns_context(self, lctx: Any) -> bool:
         return same_handle(lctx, self.llama.ctx)
 
-    def serve_media(self, n_positions: int, decode: Callable[[int], int]) -> int | None:
+    def serve_media(self, n_positions: int, decode: MediaChunkDecode) -> int | None:
         with self.controller.lock:
             self._reconcile()
-            return self.media.eval_media(n_positions, decode)
+            return self.media.eval_media(n_positions, decode)  # where the handler asked: the Llama's sequence 0
 
     # The controller is looked up at each call: a parallel view's changes with each lease.
     def _memory_end(self) -> int:

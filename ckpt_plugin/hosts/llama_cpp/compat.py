@@ -12,6 +12,7 @@ host's objects as arguments.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -108,6 +109,38 @@ def decode_handles(llama: Any) -> tuple[Any, Any]:
 def wants_all_logits(llama: Any) -> bool:
     """``Llama._logits_all``: whether the host asked for every token's logits (forced on with a draft model)."""
     return bool(llama._logits_all)
+
+
+def init_mtmd_context(handler: Any, llama: Any) -> None:
+    """Load an MTMD chat handler's libmtmd context for ``llama`` now (``_init_mtmd_context``; a no-op once loaded).
+
+    The handler loads it at its first call, on the ``Llama`` it is called with, and registers its freeing on that
+    ``Llama``'s exit stack: called first on a per-request view, the context would be freed with the view (while
+    other requests use it) and loaded again for the next. Loaded here on the host's ``Llama``, it lives as long as
+    the model.
+    """
+    handler._init_mtmd_context(llama)
+
+
+_STDIO_REDIRECTS = threading.Lock()
+
+
+def serialize_bitmap_creation(handler: Any) -> None:
+    """Make an MTMD chat handler's ``_create_bitmap_from_bytes`` (called once per image of every request) take a
+    process-wide lock, for a handler called from several threads at once (parallel slots' views).
+
+    It decodes the image inside llama-cpp-python's ``suppress_stdout_stderr``, which points the process's file
+    descriptors 1 and 2 at ``/dev/null`` and back with ``dup2``: two threads interleaving there leave them on
+    ``/dev/null`` for good (every later line of the server's log lost) and close descriptors twice. One at a time,
+    each restores what it saved.
+    """
+    create = handler._create_bitmap_from_bytes
+
+    def one_at_a_time(image_bytes: bytes) -> Any:
+        with _STDIO_REDIRECTS:
+            return create(image_bytes)
+
+    handler._create_bitmap_from_bytes = one_at_a_time
 
 
 COMPLETION_METHOD = "_create_completion"

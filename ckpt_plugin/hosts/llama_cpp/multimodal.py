@@ -20,24 +20,34 @@ module itself is untouched) and changes three of its calls:
   carry it like any tokens.
 
 Prompts this cannot represent exactly are left to the host (the relay passes every call through): positions that
-are not one per token (M-RoPE models such as Qwen2-VL), chunks without an id, a prompt that ends with a media chunk.
-The engine then sees positions it did not evaluate, keeps them out of every store, and stands aside for the request
+are not one per token (M-RoPE models such as Qwen2-VL), chunks without an id, a prompt that ends with a media chunk,
+media for a request that drafts with a draft model (which would be handed the media ids as tokens). The engine then
+sees positions it did not evaluate, keeps them out of every store, and stands aside for the request
 (:mod:`.outside_writes`, ``SlotMemory.reconcile``).
+
+Parallel slots (:mod:`.parallel`) give each request's view a copy of the handler with a relay of its own
+(:func:`relay_for_view`): the view leases its slot at the handler's first evaluation, and a media chunk is decoded
+into that slot's sequence of the shared context (:class:`MediaChunkDecode`), never where the handler asks (sequence 0).
+Nothing is left to the host there: a prompt whose media cannot be keyed is refused (:attr:`MediaFlow.must_key`).
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import hashlib
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from ckpt_plugin.core.errors import UnsupportedHostError
 from ckpt_plugin.core.media import media_digest, media_start, media_token_ids
 from ckpt_plugin.core.request import current_request
+from ckpt_plugin.hosts.llama_cpp.compat import serialize_bitmap_creation
 from ckpt_plugin.hosts.llama_cpp.outside_writes import Watched, engine_writes
 
 log = logging.getLogger("ckpt_plugin")
@@ -64,16 +74,44 @@ def projector_digest(path: str) -> str:
     return value
 
 
+class MediaDecodeError(ValueError):
+    """libmtmd failed to evaluate a media chunk (the handler's own error, with llama.cpp's status).
+
+    :ivar status: What ``mtmd_helper_eval_chunk_single`` returned (1: no room in the KV cache, as ``llama_decode``).
+    """
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"Failed to evaluate chunk: error code {status}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class MediaChunkDecode:
+    """One media chunk of the handler, ready to decode: called with ``n_past``, it decodes the chunk where the
+    handler asked (its context ``lctx``, its sequence ``seq_id``); :attr:`into` decodes it into any sequence of a
+    context (a parallel slot's). Both return the position after the chunk.
+
+    :raises MediaDecodeError: libmtmd failed (its status says why).
+    """
+
+    lctx: Any
+    seq_id: int
+    into: Callable[[Any, int, int], int]
+
+    def __call__(self, n_past: int) -> int:
+        return self.into(self.lctx, self.seq_id, n_past)
+
+
 class MediaHost(Protocol):
     """What the relay needs of the attachment it serves."""
 
     media: MediaFlow
 
     def owns_context(self, lctx: Any) -> bool:
-        """Whether ``lctx`` is the attached ``Llama``'s own context."""
+        """Whether ``lctx`` is the context the attachment evaluates in."""
 
-    def serve_media(self, n_positions: int, decode: Callable[[int], int]) -> int | None:
-        """:meth:`MediaFlow.eval_media` under the slot's lock."""
+    def serve_media(self, n_positions: int, decode: MediaChunkDecode) -> int | None:
+        """:meth:`MediaFlow.eval_media` under the slot's lock, ``decode`` run where the slot's sequence is."""
 
 
 class MediaFlow:
@@ -99,12 +137,17 @@ class MediaFlow:
         self.spans: list[tuple[int, int]] = []
         self.cursor = 0
         self.kept: int | None = None
+        # Whether the request drafts with a draft model (parallel slots say so for their own drafts).
+        self.drafting: Callable[[], bool] = lambda: getattr(llama, "draft_model", None) is not None
+        # Set where nothing can be left to the host (parallel slots: the handler would decode into sequence 0, another
+        # request's): a prompt whose media cannot be keyed is refused instead.
+        self.must_key = False
 
     @property
     def serves_media(self) -> bool:
         """Whether media chunks can be served as keyed positions: not with a draft model, which would be handed the
         media positions' ids as tokens."""
-        return getattr(self._llama, "draft_model", None) is None
+        return not self.drafting()
 
     @property
     def armed(self) -> bool:
@@ -278,10 +321,18 @@ class MtmdRelay:
         if result != 0:
             flow.disarm()
             return result
-        prompt = media_prompt(self._module, mtmd_ctx, chunks) if flow.serves_media else None
-        if prompt is None:
-            log.info("multimodal prompt left to the host: its media positions cannot be keyed one per token")
+        prompt = media_prompt(self._module, mtmd_ctx, chunks)
+        # A draft model would be handed media positions' ids as tokens (a prompt of text only is served as any).
+        drafted = prompt is not None and bool(prompt[1]) and not flow.serves_media
+        if prompt is None or drafted:
             flow.disarm()
+            reason = ("a draft model would be handed the media positions' ids as tokens" if drafted else
+                      "its media positions cannot be keyed one per token (M-RoPE positions, as Qwen2-VL's, a chunk "
+                      "without an id, or a prompt that ends with a media chunk)")
+            if flow.must_key:
+                raise UnsupportedHostError(f"parallel slots cannot serve this multimodal prompt: {reason}; serve it "
+                                           "with one slot (--parallel 1)")
+            log.info("multimodal prompt left to the host: %s", reason)
         else:
             flow.arm(*prompt)
         return result
@@ -290,16 +341,18 @@ class MtmdRelay:
                                       n_batch: int, logits_last: bool, new_n_past: Any) -> int:
         mtmd = self._module
         if not self._host.owns_context(lctx):
-            raise ValueError("this multimodal handler's context is not the attached model's: parallel slots do not "
-                             "serve images or audio yet")
-        def decode(start: int) -> int:
+            raise ValueError("this multimodal handler evaluates into a context that is not the one its model is "
+                             "attached to")
+
+        def into(target: Any, sequence: int, start: int) -> int:
             out = ctypes.c_int32(0)
-            status = int(mtmd.mtmd_helper_eval_chunk_single(mtmd_ctx, lctx, chunk, start, seq_id, n_batch,
+            status = int(mtmd.mtmd_helper_eval_chunk_single(mtmd_ctx, target, chunk, start, sequence, n_batch,
                                                             logits_last, ctypes.byref(out)))
             if status != 0:
-                raise ValueError(f"Failed to evaluate chunk: error code {status}")
+                raise MediaDecodeError(status)
             return int(out.value)
 
+        decode = MediaChunkDecode(lctx, int(getattr(seq_id, "value", seq_id)), into)
         end = self._host.serve_media(int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)), decode)
         if end is None:
             return int(mtmd.mtmd_helper_eval_chunk_single(mtmd_ctx, lctx, chunk, n_past, seq_id, n_batch,
@@ -317,17 +370,38 @@ def _set_out(reference: Any, value: int) -> None:
         ctypes.cast(reference, ctypes.POINTER(ctypes.c_int32))[0] = value
 
 
+def is_mtmd_handler(handler: Any) -> bool:
+    """Whether ``handler`` is one of llama-cpp-python's MTMD chat handlers (libmtmd module and projector file)."""
+    return getattr(handler, "_mtmd_cpp", None) is not None and isinstance(getattr(handler, "clip_model_path", None),
+                                                                          str)
+
+
 def install_relay(handler: Any, host: MediaHost) -> MtmdRelay | None:
     """Give a multimodal chat ``handler`` a relay to ``host`` (``None``: not an MTMD handler, left as it is)."""
-    module = getattr(handler, "_mtmd_cpp", None)
-    projector = getattr(handler, "clip_model_path", None)
-    if module is None or not isinstance(projector, str):
+    if not is_mtmd_handler(handler):
         return None
+    module = handler._mtmd_cpp
     if isinstance(module, MtmdRelay):
         module = module._module
-    relay = MtmdRelay(module, host, projector)
+    relay = MtmdRelay(module, host, handler.clip_model_path)
     handler._mtmd_cpp = relay
     return relay
+
+
+def relay_for_view(handler: Any, host: MediaHost) -> Any:
+    """A copy of an MTMD chat ``handler`` whose relay serves ``host`` (a parallel slot's view), or ``handler``
+    itself when it is not one.
+
+    The handler object is shared by every view of the ``Llama`` (and every request thread); the relay is per
+    request, so each view gets a shallow copy: the same libmtmd context (loaded once, freed with the ``Llama``: see
+    :func:`~ckpt_plugin.hosts.llama_cpp.compat.init_mtmd_context`), its own relay.
+    """
+    if not is_mtmd_handler(handler):
+        return handler
+    view_handler = copy.copy(handler)
+    install_relay(view_handler, host)
+    serialize_bitmap_creation(view_handler)  # its stdout/stderr redirection is not safe across threads
+    return view_handler
 
 
 def remove_relay(handler: Any) -> None:

@@ -16,7 +16,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama import Llama
 
-from ckpt_plugin.core.errors import StateRestoreError
+from ckpt_plugin.core.errors import PoolFullError, StateRestoreError
+from ckpt_plugin.hosts.llama_cpp.multimodal import MediaDecodeError
 from ckpt_plugin.hosts.llama_cpp.context import state_flags, U8_P, writable_start, fingerprint_of, memory_kind
 from ckpt_plugin.policy.plan import MemoryKind
 
@@ -249,6 +250,53 @@ class SequenceBackend:
         if self.on_publish is not None:
             self.on_publish()
         return True
+
+    def decode_media(self, into: Callable[[Any, int, int], int], n_past: int) -> int:
+        """Evaluate one media chunk into this sequence at positions ``n_past...`` with libmtmd: ``into(ctx, seq_id,
+        n_past)`` encodes the chunk and decodes its embeddings there, and returns the position after it
+        (:class:`~ckpt_plugin.hosts.llama_cpp.multimodal.MediaChunkDecode`); return that position.
+
+        The context is held throughout, its encoding included: no batched step runs meanwhile (libmtmd decodes with a
+        batch of its own, may switch the context to non-causal attention for the chunk, and leaves the context's
+        output buffer without rows; the scheduler reads a step's rows under the same hold as its decode, so none of
+        this is mistaken for a step's), and one chunk is encoded at a time (libmtmd keeps its output embeddings in
+        one buffer per projector), as llama.cpp's server, whose loop encodes a chunk between two decodes.
+
+        In a pool of cells the slots share, a chunk that finds no room gets an idle slot's cells
+        (:attr:`SequenceContext.make_room`) and is evaluated again from its start.
+
+        :raises PoolFullError: No room in the shared pool with every idle slot's cells freed.
+        :raises MediaDecodeError: libmtmd failed otherwise; what the chunk had filled is removed where the memory
+            allows it (the slot reconciles with the memory before trusting it again).
+        """
+        context = self.context
+        self.remove(n_past, -1)  # as the host's eval cuts to its n_tokens first; normally nothing is there
+        with context.lock:
+            self._unpublish_from(n_past)
+            self.end_bound = self._pos_max = self._pos_min = None
+            while True:
+                try:
+                    end = int(into(context.ctx, self.seq_id, n_past))
+                    break
+                except MediaDecodeError as exc:
+                    # The chunk is whole or absent: what its first batches filled goes.
+                    llama_cpp.llama_memory_seq_rm(context.memory, self.seq_id, n_past, -1)
+                    make_room = context.make_room
+                    if exc.status != 1 or make_room is None:
+                        raise
+                    if not make_room():
+                        raise PoolFullError(
+                            f"the {context.n_ctx} cells the slots share are all held by busy slots: no room for the "
+                            f"media chunk at position {n_past} of sequence {self.seq_id}; retry when a request has "
+                            "finished, or raise --n_ctx") from exc
+                except BaseException:
+                    llama_cpp.llama_memory_seq_rm(context.memory, self.seq_id, n_past, -1)
+                    raise
+            self._ask_pos_max()
+            if not context.unified:  # read now, as a batched step does, so that the slot need not ask later
+                self._pos_min = int(llama_cpp.llama_memory_seq_pos_min(context.memory, self.seq_id))
+            self.end_bound = end
+        return end
 
     def pos_min(self) -> int:
         known = self._pos_min

@@ -70,8 +70,9 @@ class SequenceHandle:
         self._n_ctx = n_ctx
         self._sequence: SequenceBackend | None = None
 
-    def bind(self, sequence: SequenceBackend) -> None:
-        """Act on ``sequence`` from now on (the view's request holds its slot)."""
+    def bind(self, sequence: SequenceBackend | None) -> None:
+        """Act on ``sequence`` from now on (the view's request holds its slot); ``None``: on no sequence (its lease
+        ended: what the host's code clears afterwards is another request's slot, left alone)."""
         self._sequence = sequence
 
     @property
