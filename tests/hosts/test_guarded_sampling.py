@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import llama_cpp
+import numpy as np
 import pytest
 
 import ckpt_plugin
@@ -126,3 +127,57 @@ def test_ignore_eos_still_ends_where_the_grammar_is_complete(make_llama: Callabl
     # Only the end of generation can follow "ab": it is sampled, though the request leaves it out elsewhere.
     assert reply["choices"][0]["text"] == "ab" and reply["choices"][0]["finish_reason"] == "stop"
     assert free["usage"]["completion_tokens"] == 12 and free["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("settings", [(64, 1.1, 0.0, 0.0), (8, 1.3, 0.2, 0.1), (1, 0.9, 0.0, 0.5)])
+def test_window_penalties_equal_llama_cpps_sampler(settings: tuple[int, float, float, float]) -> None:
+    """The penalties applied in numpy change exactly the logits llama.cpp's penalties sampler changes, to the same
+    values, over a window that fills and slides."""
+    import ctypes
+
+    import llama_cpp
+    from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
+
+    from ckpt_plugin.hosts.llama_cpp.guarded_sampling import WindowPenalties, fill_candidates
+
+    n_vocab, (last_n, repeat, frequency, presence) = 500, settings
+    ours = WindowPenalties(last_n, repeat, frequency, presence)
+    theirs = LlamaSampler()
+    theirs.add_penalties(n_vocab, last_n, repeat, frequency, presence)
+    rng = np.random.default_rng(3)
+    candidates = LlamaTokenDataArray(n_vocab=n_vocab)
+    for step in range(40):
+        row = (rng.standard_normal(n_vocab) * 4).astype(np.float32)
+        expected_array = candidates
+        fill_candidates(expected_array, row)
+        array = expected_array.candidates
+        array.data = expected_array.candidates_data.ctypes.data_as(llama_cpp.llama_token_data_p)
+        llama_cpp.llama_sampler_apply(theirs.sampler, ctypes.byref(array))
+        expected = np.array(expected_array.candidates_data.logit, copy=True)
+        got = row.copy()
+        ours.apply(got)
+        assert np.array_equal(got, expected), step
+        token = int(rng.integers(0, 12))  # few distinct tokens: counts above one, tokens leaving the window
+        theirs.accept(token)
+        ours.accept(token)
+    assert not WindowPenalties.needed(64, 1.0, 0.0, 0.0) and not WindowPenalties.needed(0, 1.1, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_penalized_replies_equal_the_hosts_on_one_slot_and_parallel_slots(make_llama: Callable[..., Any],
+                                                                          kind: str) -> None:
+    """Repetition penalties applied by the window instead of llama.cpp's sampler give the host's own replies, greedy
+    and sampled with a seed, with and without a grammar, on an attached ``Llama`` and on parallel slots."""
+    requests = [dict(repeat_penalty=1.3, frequency_penalty=0.2, max_tokens=40),
+                dict(repeat_penalty=1.1, temperature=0.8, seed=7, max_tokens=40),
+                dict(repeat_penalty=1.5, presence_penalty=0.4, grammar=grammar(LIVE), max_tokens=24)]
+    plain = make_llama(kind)
+    want = [text_of(plain, "the the the", **request) for request in requests]
+    attached = make_llama(kind)
+    ckpt_plugin.attach(attached)
+    assert [text_of(attached, "the the the", **request) for request in requests] == want
+    parallel = ParallelLlama(make_llama(kind), 2, load_entrypoints=False)
+    try:
+        assert [text_of(parallel.view(), "the the the", **request) for request in requests] == want
+    finally:
+        parallel.close()

@@ -42,7 +42,7 @@ from ckpt_plugin.core.request import Refused, RequestInterrupted, current_reques
 from ckpt_plugin.engine.slot_controller import SlotController
 from ckpt_plugin.hosts.llama_cpp.backend import HostRows, LlamaBackend
 from ckpt_plugin.hosts.llama_cpp.context import version_tuple
-from ckpt_plugin.hosts.llama_cpp.guarded_sampling import end_of_generation_ids, guard
+from ckpt_plugin.hosts.llama_cpp.guarded_sampling import WindowPenalties, end_of_generation_ids, guard
 from ckpt_plugin.hosts.llama_cpp.host_cache import (
     HostPromptCache,
     SharedLlamaState,
@@ -56,6 +56,7 @@ from ckpt_plugin.hosts.llama_cpp.outside_writes import UNNAMED, Watched, same_ha
 TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
 """llama-cpp-python versions attach accepts: from the first (inclusive) to the second (exclusive)."""
 
+_INIT_SAMPLER_SIGNATURE = inspect.signature(Llama._init_sampler)
 _PATCHED = ("eval", "generate", "save_state", "load_state", "set_cache", "_init_sampler", host.COMPLETION_METHOD)
 _MANAGER_ATTR = "_ckpt_plugin_attachment"
 
@@ -297,14 +298,25 @@ class Attachment:
         controller.process(new, prompt_end)
 
     def init_sampler(self, *args: Any, **kwargs: Any) -> Any:
-        """The host's sampler chain, guarded where the request has a grammar or asks for ``ignore_eos``
+        """The host's sampler chain, guarded where the request has a grammar or asks for ``ignore_eos``, and with
+        the request's repetition penalties applied by
+        :class:`~ckpt_plugin.hosts.llama_cpp.guarded_sampling.WindowPenalties` instead of the chain's own sampler
         (:func:`~ckpt_plugin.hosts.llama_cpp.guarded_sampling.guard`)."""
-        chain = self._init_sampler(*args, **kwargs)
+        bound = _INIT_SAMPLER_SIGNATURE.bind(self.llama, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
+        settings = (int(self.llama.last_n_tokens_size), arguments["repeat_penalty"], arguments["frequency_penalty"],
+                    arguments["presence_penalty"])
+        penalties = None
+        if WindowPenalties.needed(*settings):
+            penalties = WindowPenalties(*settings)
+            arguments.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+        chain = self._init_sampler(**arguments)
         request = current_request.get()
         banned = None
         if request is not None and request.ignore_eos:
             banned = end_of_generation_ids(host.model_wrapper(self.llama))
-        return guard(chain, int(self.llama.n_vocab()), banned)
+        return guard(chain, int(self.llama.n_vocab()), banned, penalties)
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """The host's ``_create_completion``, noting the logits the request reads; a request for logprobs runs the
