@@ -150,6 +150,22 @@ def summary(streams: list[Stream], wall: float) -> dict[str, float]:
             "wall": wall}
 
 
+def side_by_side(name: str, ours: dict[str, float], theirs: dict[str, float] | None
+                 ) -> tuple[list[list[str]], list[tuple[str, float, str]]]:
+    """One workload's table rows (figure, ours, theirs, ratio) and its figures with goals: ``(label, ratio, goal)``
+    for inter-token latency and output tokens/s."""
+    rows, goals = [], []
+    for metric, label in (("ttft_median", "TTFT median"), ("ttft_p95", "TTFT p95"),
+                          ("itl_median", "inter-token latency median"), ("output_tps", "output tokens/s")):
+        value, other = ours[metric], (theirs or {}).get(metric)
+        shown = (lambda v: f"{v:.1f}") if metric == "output_tps" else (lambda v: f"{v * 1000:.1f} ms")
+        rows.append([name, label, shown(value), shown(other) if other else "-",
+                     fmt_ratio(value / other) if other else "-"])
+        if other and metric in ("itl_median", "output_tps"):
+            goals.append((label, value / other, "<= 1.0x" if metric == "itl_median" else ">= 1.0x"))
+    return rows, goals
+
+
 def servers(model: str) -> list[Config]:
     python = sys.executable
     ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", "--model", model, "--n_ctx", str(N_CTX),
@@ -191,16 +207,10 @@ def main() -> None:
     report.text(__doc__.split("\n\n", 1)[1].split("``python bench/streaming.py``")[0])
     rows = []
     for name, by_server in results.items():
-        ours, theirs = by_server["ours"], by_server.get("ls")
-        for metric, label in (("ttft_median", "TTFT median"), ("ttft_p95", "TTFT p95"),
-                              ("itl_median", "inter-token latency median"), ("output_tps", "output tokens/s")):
-            value, other = ours[metric], (theirs or {}).get(metric)
-            shown = (lambda v: f"{v:.1f}") if metric == "output_tps" else (lambda v: f"{v * 1000:.1f} ms")
-            rows.append([name, label, shown(value), shown(other) if other else "-",
-                         fmt_ratio(value / other) if other else "-"])
-            if other and metric in ("itl_median", "output_tps"):
-                report.figure(f"{name}: {label}, ckpt-serve / llama-server", fmt_ratio(value / other),
-                              "<= 1.0x" if metric == "itl_median" else ">= 1.0x")
+        table, goals = side_by_side(name, by_server["ours"], by_server.get("ls"))
+        rows += table
+        for label, ratio, goal in goals:
+            report.figure(f"{name}: {label}, ckpt-serve / llama-server", fmt_ratio(ratio), goal)
     report.table(["workload", "figure", f"ckpt-serve --parallel {SLOTS}", f"llama-server -np {SLOTS}", "ratio"], rows)
     emit(report, args.json)
     if args.markdown is not None:
