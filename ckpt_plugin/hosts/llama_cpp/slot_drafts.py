@@ -62,7 +62,7 @@ class DraftSequence(SequenceBackend):
         then holds ``tokens`` and all drafted tokens but the last, which :attr:`ahead` holds for the engine."""
         tokens = np.asarray(tokens, dtype=np.int32)
         n_past = self.pos_max() + 1
-        self.ahead = np.empty(0, dtype=np.int32)
+        self.forget_ahead()
         try:
             drafted = self.lane.draft(self.seq_id, tokens, n_past, n_draft)
         except BaseException:
@@ -81,7 +81,6 @@ class DraftSequence(SequenceBackend):
             self.ahead = ahead[len(tokens):]  # evaluated by the drafting: recorded, not evaluated again
             return
         if len(ahead):  # not what the drafting evaluated: those positions go
-            self.ahead = np.empty(0, dtype=np.int32)
             self.remove(self.pos_max() + 1 - len(ahead), -1)
         n_past = self.pos_max() + 1
         try:
@@ -91,9 +90,17 @@ class DraftSequence(SequenceBackend):
             raise
         self.evaluated(n_past + len(tokens), self.lane.pos_min_after.get(self.seq_id))
 
+    def forget_ahead(self) -> None:
+        """Nothing the drafting evaluated is left for the engine to record (it was, or the memory changed)."""
+        self.ahead = np.empty(0, dtype=np.int32)
+
     def remove(self, p0: int, p1: int) -> bool:
-        self.ahead = np.empty(0, dtype=np.int32)  # a cut: the engine's record is what counts again
+        self.forget_ahead()  # a cut: the engine's record is what counts again
         return super().remove(p0, p1)
+
+    def write_state(self, buffer: np.ndarray, partial: bool) -> int:
+        self.forget_ahead()
+        return super().write_state(buffer, partial)
 
 
 class DraftLength:
@@ -159,7 +166,10 @@ class SlotDraft(LlamaDraftModel):
             n_keep = controller.prepare(tokens)
             drafted = backend.draft(tokens[n_keep:], self.length.current)
             # The engine records what the drafting evaluated (the backend evaluates none of it again).
-            controller.process(np.concatenate([tokens[n_keep:], np.asarray(drafted[:-1], dtype=np.int32)]))
+            try:
+                controller.process(np.concatenate([tokens[n_keep:], np.asarray(drafted[:-1], dtype=np.int32)]))
+            finally:
+                backend.forget_ahead()
         self.drafts.count(drafted=len(drafted))
         self._last = (len(tokens), drafted)
         return np.asarray(drafted, dtype=np.intc)
