@@ -7,15 +7,14 @@ import contextlib
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
+from ckpt_plugin.testing.ports import free_port
+from ckpt_plugin.testing.servers import http_ready, serving
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 N_CTX, N_BATCH, N_THREADS = 4096, 512, 2
@@ -58,27 +57,14 @@ def configs(model: str) -> list[Config]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Running:
-    """A server subprocess, its port and its output lines (with arrival times)."""
+    """A server subprocess, its port and its output lines (a list :func:`start`'s reader keeps filling)."""
 
-    def __init__(self, config: Config, process: subprocess.Popen, port: int) -> None:
+    def __init__(self, config: Config, process: subprocess.Popen[str], port: int, lines: list[str]) -> None:
         self.config = config
         self.process = process
         self.url = f"http://127.0.0.1:{port}"
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
+        self.lines = lines
 
     def proc_status(self) -> dict[str, int]:
         """``VmHWM`` / ``VmRSS`` of the server process in bytes."""
@@ -117,29 +103,10 @@ class Running:
 
 @contextlib.contextmanager
 def start(config: Config, timeout: float = 300.0) -> Iterator[Running]:
-    port = _free_port()
+    """Start ``config``'s server on a free port and wait until its health route answers 200; stop it after."""
+    port = free_port()
     command = [*config.command, "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               errors="replace", env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Running(config, process, port)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{config.label} exited with {process.returncode}:\n{''.join(server.lines[-40:])}")
-            try:
-                if httpx.get(server.url + config.health, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{config.label} did not start:\n{''.join(server.lines[-40:])}")
-            time.sleep(0.2)
-        yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    ready = http_ready(f"http://127.0.0.1:{port}{config.health}")
+    with serving(command, ready, {"PYTHONUNBUFFERED": "1"}, timeout=timeout, name=config.label, log_tail=40,
+                 stop_timeout=30) as (process, lines):
+        yield Running(config, process, port, lines)

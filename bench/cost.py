@@ -6,12 +6,12 @@ On Gemma-3-270M (the default model; n_ctx 4096, n_batch 512, 2 threads, ``swa_fu
   context, attached against plain on the same ``Llama`` (attached and detached in turn, the attached side keeping one
   prompt cache so that its buffers are recycled as in a running server), in interleaved rounds with the order
   alternating; medians and the median of the per-round ratios. Goal: attached / plain <= 1.03.
-- far tier: a redis-server behind a link of 20 ms round trips and 50 MB/s (``tests/support/delay_proxy.py``) holding
-  what other replicas served (a 1,500-token conversation and a 1,064-token one); three requests, each timed with the tier
-  (plans by cost), without the tier, and with the tier but planning by tokens (``plan_by_cost=False``, what the
-  planner did before it knew costs), in interleaved rounds after one warm-up round (where the engine measures the
-  link): a short suffix the live memory nearly holds, a long prefix only the tier holds, a short prefix only the tier
-  holds. Goal: with / without the tier <= 1.05 for every request.
+- far tier: a redis-server behind a link of 20 ms round trips and 50 MB/s (``ckpt_plugin/testing/delay_proxy.py``)
+  holding what other replicas served (a 1,500-token conversation and a 1,064-token one); three requests, each timed
+  with the tier (plans by cost), without the tier, and with the tier but planning by tokens (``plan_by_cost=False``,
+  what the planner did before it knew costs), in interleaved rounds after one warm-up round (where the engine measures
+  the link): a short suffix the live memory nearly holds, a long prefix only the tier holds, a short prefix only the
+  tier holds. Goal: with / without the tier <= 1.05 for every request.
 
 Run: ``.venv/bin/python bench/cost.py`` (7 rounds, about 3 minutes), ``--quick`` (3 rounds), ``--only cold|far``,
 ``--markdown PATH`` (default ``docs/bench-sections/70-plans-by-cost.md``; ``-`` for none), ``--json PATH``.
@@ -29,12 +29,12 @@ from typing import Any, Callable
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import GEMMA_VOCAB, Report, cli, emit, fmt_ratio, open_gemma, random_prompt, random_tokens  # noqa: E402
-from support.delay_proxy import delay_proxy  # noqa: E402
 
 import ckpt_plugin  # noqa: E402
+from ckpt_plugin.testing.delay_proxy import delay_proxy  # noqa: E402
 from ckpt_plugin.tiers.ram import PromptCache  # noqa: E402
 from ckpt_plugin.hosts.llama_cpp.context import clear_memory  # noqa: E402
 
@@ -207,9 +207,9 @@ def far(report: Report, rounds: int) -> None:
 
     median = {key: statistics.median(values) for key, values in times.items()}
     report.text("### A far shared tier\n\nredis-server behind a link of 20 ms round trips and 50 MB/s each way "
-                "(`tests/support/delay_proxy.py`), holding a 1,500-token and a 1,064-token conversation other replicas "
-                f"served; each request with the tier (plans by cost), without it, and with it but planning by tokens "
-                f"(`plan_by_cost=False`); {rounds} interleaved rounds after a warm-up round in which the engine "
+                "(`ckpt_plugin/testing/delay_proxy.py`), holding a 1,500-token and a 1,064-token conversation other "
+                "replicas served; each request with the tier (plans by cost), without it, and with it but planning by "
+                f"tokens (`plan_by_cost=False`); {rounds} interleaved rounds after a warm-up round in which the engine "
                 "measured the link. Tokens evaluated, shared-tier hits and round trips are those of the last round.")
     rows, worst = [], 0.0
     for request in requests:

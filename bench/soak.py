@@ -28,7 +28,6 @@ import os
 import pathlib
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -36,8 +35,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from support.servers import run_server  # noqa: E402
+from ckpt_plugin.testing.servers import run_server
 
 SYSTEMS = [f"You are assistant number {i}. " + "Answer briefly and kindly about the house and the dog. " * 12
            for i in range(8)]

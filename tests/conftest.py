@@ -1,8 +1,9 @@
 """Fixtures every layer's tests share: real llama.cpp contexts on tiny generated models and on Gemma-3-270M, and a
 redis-server.
 
-The tests live in one folder per layer (unit, engine, hosts, server, integrations); the helpers they import are the
-``support`` package next to this file. This conftest is outside any package, so pytest puts its directory (tests/) on
+The tests live in one folder per layer (unit, tiers, engine, hosts, server, integrations); the helpers they import are
+the ``support`` package next to this file, over ``ckpt_plugin.testing`` (ports, redis-servers, servers, waits), which
+the benchmarks use too. This conftest is outside any package, so pytest puts its directory (tests/) on
 ``sys.path`` before it collects a test module: ``from support.servers import run_server`` works from every folder.
 ``tiny_model``, ``fake_manager`` and ``hook_recorder`` come from ckpt_plugin's own pytest plugin (the ``pytest11``
 entry point, integrations/pytest_plugin.py).

@@ -4,7 +4,6 @@ same request on a plain ``Llama``, with the tokens of the busy slots decoded in 
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -14,6 +13,7 @@ import pytest
 
 from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
 from ckpt_plugin.hosts.llama_cpp.slot_choice import IdleSlot, choose_slot
+from ckpt_plugin.testing.waiting import wait_until
 
 KINDS = ["llama", "gemma3", "mamba", "hybrid"]
 
@@ -235,10 +235,8 @@ def test_a_slot_holding_the_context_for_its_prepare_gets_its_prompt_into_the_nex
             other = threading.Thread(
                 target=lambda: other_rows.append(scheduler.decode(1, np.array([5, 6, 7], dtype=np.int32), 0, 2)))
             other.start()
-            deadline = time.monotonic() + 10
-            while not scheduler._pending:  # the other slot's tokens wait: the context is held
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
+            # the other slot's tokens wait: the context is held
+            wait_until(lambda: scheduler._pending, timeout=60, interval=0.005)
             assert scheduler.steps == 0
             rows = scheduler.decode(0, np.array([8, 9], dtype=np.int32), 0, 1)  # queued, then the hold is let go
         other.join(10)
@@ -261,15 +259,26 @@ def test_a_hold_takes_the_slots_lock_before_the_context(make_llama: Callable[...
     scheduler, slot_lock = parallel.scheduler, parallel.manager.slots[0].lock
     try:
         entered = threading.Event()
+        asking = threading.Event()
+
+        class Watched:
+            """The slot's lock, telling when the hold asks for it (it then blocks: the test's thread holds it)."""
+
+            def acquire(self, *args: Any) -> bool:
+                asking.set()
+                return slot_lock.acquire(*args)
+
+            def release(self) -> None:
+                slot_lock.release()
 
         def prepare() -> None:
-            with scheduler.held_until_submitted(slot_lock):
+            with scheduler.held_until_submitted(Watched()):  # type: ignore[arg-type]
                 entered.set()
 
         with slot_lock:  # a slot file action on slot 0
             waiting = threading.Thread(target=prepare)
             waiting.start()
-            time.sleep(0.2)
+            assert asking.wait(60)  # the hold waits for the slot's lock now (whatever it took before)
             assert not entered.is_set()
             assert parallel.context.lock.acquire(timeout=5)  # the action's call on the context
             parallel.context.lock.release()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from typing import Any, Iterator
 
 import uvicorn
@@ -15,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from support.servers import free_port
+from ckpt_plugin.testing.ports import free_port
+from ckpt_plugin.testing.waiting import wait_until
 
 
 @contextlib.contextmanager
@@ -24,10 +24,7 @@ def serve(app: Any) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
+    wait_until(lambda: server.started, timeout=30, message="uvicorn did not start")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

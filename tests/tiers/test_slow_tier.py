@@ -1,7 +1,7 @@
-"""A far shared tier: a real redis-server behind a link of 20 ms round trips and 50 MB/s (tests/support/delay_proxy.py),
-replicas whose simulated model takes 1 ms per token to evaluate. The planner evaluates a short suffix or a short
-shared prefix here rather than even ask the tier, and still fetches a long prefix; asserted on counters (tokens
-evaluated, lookups, fetches), never on time."""
+"""A far shared tier: a real redis-server behind a link of 20 ms round trips and 50 MB/s
+(ckpt_plugin/testing/delay_proxy.py), replicas whose simulated model takes 1 ms per token to evaluate. The planner
+evaluates a short suffix or a short shared prefix here rather than even ask the tier, and still fetches a long prefix;
+asserted on counters (tokens evaluated, lookups, fetches), never on time."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.services.publishing import publish
 from ckpt_plugin.tiers.shared.tier import SharedTier
 from ckpt_plugin.testing import FAKE_KINDS, FakeBackend, run_prompt
+from ckpt_plugin.testing.delay_proxy import DelayProxy, delay_proxy
 
-from support.delay_proxy import DelayProxy, delay_proxy
 from support.redis_servers import RedisServer, run_redis
 
 SECONDS_PER_TOKEN = 1e-3

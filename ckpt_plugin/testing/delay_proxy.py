@@ -1,5 +1,5 @@
 """A TCP proxy that makes a local server look far away: in each direction, a one-way delay and a bandwidth limit,
-like a link (an asyncio event loop on a thread of its own).
+like a link (an asyncio event loop on a thread of its own): a far shared tier for tests and benchmarks.
 
 Each chunk read from one side leaves the proxy once the link has carried it (``bandwidth`` bytes a second, one chunk
 after the other) plus ``one_way_delay``; a request and its answer therefore take at least ``2 * one_way_delay``.
@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import threading
 from typing import Iterator
+
+__all__ = ["DelayProxy", "delay_proxy"]
 
 
 class DelayProxy:
@@ -38,12 +40,17 @@ class DelayProxy:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> DelayProxy:
+        """Start listening (on a free port, :attr:`port`); ``self``.
+
+        :raises RuntimeError: The proxy's loop did not start within 10 s.
+        """
         self._thread.start()
         if not self._ready.wait(10):
             raise RuntimeError("the delay proxy did not start")
         return self
 
     def stop(self) -> None:
+        """Stop the loop: every connection through the proxy ends."""
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
