@@ -9,7 +9,6 @@ their children) inherits both and attaches its Llamas as they are created.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import pathlib
@@ -17,13 +16,15 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from ckpt_plugin.core.config import CheckpointSettings, ServeSettings, setting_variables, unknown_variables
+from ckpt_plugin.core.config import CheckpointSettings
 from ckpt_plugin.core.errors import ConfigError
 
+# known_variables is imported from here too, as before it was shared with ckpt-serve.
+from ckpt_plugin_integrations.cli_support import FlagParser, fail, known_variables, warn_unknown_variables  # noqa: F401
 from ckpt_plugin_integrations.settings_flags import add_settings_flags, flag_name, plain_text
 from ckpt_plugin_integrations.auto_attach.settings import RunSettings, check_llama_overrides, load_checkpoint_settings, load_run_settings, parse_override
 
@@ -42,26 +43,14 @@ def _env_name(field: str) -> str:
     return f"CKPT_{field.upper()}"
 
 
-class _Parser(argparse.ArgumentParser):
-    """Reports a bad option in one line, with the closest option where one was misspelt."""
-
-    def error(self, message: str) -> NoReturn:
-        if message.startswith("argument "):
-            message = message[len("argument "):]
-        if message.startswith("unrecognized arguments: "):
-            options = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
-            for word in message[len("unrecognized arguments: "):].split():
-                close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.7)
-                if word.startswith("--") and close:
-                    message += f"; did you mean {close[0]}?"
-                    break
-            message += f" ({self.prog} --help lists the options; the command goes after --)"
-        self.exit(2, f"{self.prog}: {message}\n")
+PROG = "ckpt-run"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="ckpt-run",
+    # A misspelt option is often meant for the command: say where the command goes.
+    parser = FlagParser(
+        prog=PROG,
+        help_hint="; the command goes after --",
         description=plain_text(__doc__.split("\n\n")[0].strip()) if __doc__ else None,
         epilog="Each option is also read from its CKPT_* variable (e.g. --cache-max-bytes from "
         "CKPT_CACHE_MAX_BYTES); an option wins over its variable, a variable over the --config file.",
@@ -173,12 +162,6 @@ def validate(env: dict[str, str], args: argparse.Namespace | None = None) -> Non
         os.environ.update(saved)
 
 
-def known_variables() -> set[str]:
-    """Every ``CKPT_*`` variable a program run by ckpt-run may read: ckpt-run's, the checkpoint settings, and
-    ckpt-serve's (a program may be ckpt-serve)."""
-    return setting_variables(RunSettings, CheckpointSettings, ServeSettings)
-
-
 _PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?")
 _OWN_NAMES = {"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
 
@@ -237,14 +220,8 @@ def check_interpreter(command: list[str], environ: dict[str, str]) -> None:
                           f"ckpt-run with that Python's environment, or the command with {sys.executable}")
 
 
-def _fail(message: str, status: int = 2) -> NoReturn:
-    print(f"ckpt-run: {message}", file=sys.stderr)
-    sys.exit(status)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    for warning in unknown_variables(os.environ, known_variables()):
-        print(f"ckpt-run: warning: {warning}", file=sys.stderr)
+    warn_unknown_variables(PROG)
     parser = build_parser()
     args = parser.parse_args(argv)
     command = list(args.command)
@@ -252,18 +229,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         command = command[1:]
     if not command:
         parser.print_usage(sys.stderr)
-        _fail("no command given (e.g. ckpt-run -- python app.py)")
+        fail(PROG, "no command given (e.g. ckpt-run -- python app.py)")
     command = own_interpreter(command)
     try:
         env = child_environment(args, dict(os.environ))
         validate(env, args)
         check_interpreter(command, dict(os.environ))
     except (ConfigError, ValidationError, json.JSONDecodeError) as exc:
-        _fail(str(exc))
+        fail(PROG, str(exc))
     try:
         os.execvpe(command[0], command, env)
     except OSError as exc:
-        _fail(f"cannot run {command[0]}: {exc.strerror or exc}", 127)
+        fail(PROG, f"cannot run {command[0]}: {exc.strerror or exc}", 127)
 
 
 if __name__ == "__main__":

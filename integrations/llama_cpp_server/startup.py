@@ -1,5 +1,6 @@
 """What ckpt-serve says once its models are loaded: one start-up line, and the refusal of a budget too small to hold
-one cache entry (docs/server.md, "The start-up line")."""
+one cache entry (docs/server.md, "The start-up line"); or, where they failed to load for a reason the user can fix,
+that reason in one line."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ckpt_plugin.hosts.llama_cpp.default_model import is_default_model
 from ckpt_plugin.services.stats import plugin_names
 
 from ckpt_plugin_integrations.llama_cpp_server.model_checks import gguf_strings
+from ckpt_plugin_integrations.llama_cpp_server.settings import LoadedSettings
 from ckpt_plugin_integrations.settings_flags import format_size
 
 INTERNAL_PLUGINS = frozenset({DEFAULT_PLUGIN_NAME, "ckpt_plugin.http.metrics"})
@@ -95,3 +97,50 @@ def check_budgets(managers: dict[str, Any], floors: dict[str, int], source: str)
                 f"would be reused; give at least {format_size(-(-floor // 1024) * 1024)}, e.g. 1GiB, or 0 to turn "
                 "reuse off"
             )
+
+
+def budget_source(loaded: LoadedSettings) -> str:
+    """What set the state budget: the checkpoint setting where it was given, else the host's ``cache_size`` where
+    ``--cache true`` applies it, else the default of ``--cache-max-bytes``."""
+    source = loaded.checkpoint_sources.get("cache_max_bytes")
+    if source is not None:
+        return source
+    if loaded.models[0].cache:
+        return loaded.model_source(0, "cache_size")
+    return "--cache-max-bytes (default)"
+
+
+DOWNLOAD_ERROR_MODULES = frozenset({"huggingface_hub", "httpx", "httpx2", "requests", "urllib3"})
+"""Packages whose exceptions, while a model named by ``hf_model_repo_id`` loads, mean its download failed."""
+
+
+def load_failure(models: list[ModelSettings], exc: Exception) -> str | None:
+    """One line for a failure to load the models that the user can fix, or None for any other (a bug: its traceback
+    is kept).
+
+    llama-cpp-python says in a ``ValueError`` that llama.cpp refused the model or the context; ``Llama.from_pretrained``
+    lets the hub client's exceptions through when a model of a Hugging Face repository cannot be downloaded (no
+    network, no such repository or file).
+    """
+    if isinstance(exc, ValueError) and str(exc).startswith("Failed to load model from file"):
+        return (f"llama.cpp could not load {models[0].model}: not a model it supports, or a truncated or damaged "
+                f"file ({_log_hint(models)})")
+    if isinstance(exc, ValueError) and str(exc).startswith("Failed to create llama_context"):
+        return (f"llama.cpp could not create a context of {models[0].n_ctx} tokens for {models[0].model} "
+                f"({_log_hint(models)}; a smaller --n_ctx needs less memory)")
+    repos = [model for model in models if model.hf_model_repo_id is not None]
+    if not repos:
+        return None
+    module = type(exc).__module__.partition(".")[0]
+    # from_pretrained's own ValueError: no file, or several, of the repository match the name.
+    matching = isinstance(exc, ValueError) and ("No file found" in str(exc) or "Multiple files found" in str(exc))
+    if module not in DOWNLOAD_ERROR_MODULES and not isinstance(exc, ConnectionError) and not matching:
+        return None
+    names = ", ".join(f"{model.model} of {model.hf_model_repo_id}" for model in repos)
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"could not download {names} from Hugging Face: {reason}"
+
+
+def _log_hint(models: list[ModelSettings]) -> str:
+    """Where llama.cpp's reason is: its log above, or with --verbose true (ckpt-serve keeps it quiet by default)."""
+    return "its log above says why" if models[0].verbose else "--verbose true shows llama.cpp's log, which says why"
