@@ -50,7 +50,7 @@ from _common import (
 )
 
 import ckpt_plugin
-from ckpt_plugin.policy.plan import common_prefix
+from ckpt_plugin.core.memory import common_prefix
 
 PROMPT_TOKENS = 1400
 N_GENERATE = 4

@@ -37,7 +37,7 @@ from ckpt_plugin.tiers.ram import PromptCache
 from ckpt_plugin.core.checkpoint import Checkpoint, freeze
 from ckpt_plugin.hosts.llama_cpp.host_cache import HostPromptCache
 from ckpt_plugin.engine.manager import CheckpointManager
-from ckpt_plugin.policy.plan import common_prefix
+from ckpt_plugin.core.memory import common_prefix
 from ckpt_plugin.testing import FAKE_KINDS, FakeBackend
 
 ENTRY_TOKENS = 2000

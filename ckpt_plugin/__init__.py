@@ -36,9 +36,11 @@ from ckpt_plugin.core.errors import (
     UnsupportedHostError,
 )
 from ckpt_plugin.plugins.hookspecs import PROJECT_NAME, hookimpl, hookspec
-from ckpt_plugin.engine.manager import Backend, CheckpointManager, Slot
-from ckpt_plugin.persist import read_entry, write_entry
-from ckpt_plugin.policy.plan import MemoryKind
+from ckpt_plugin.core.slot import Backend, Slot
+from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.persist.read import read_entry
+from ckpt_plugin.persist.write import write_entry
+from ckpt_plugin.core.memory import MemoryKind
 from ckpt_plugin.services.publishing import publish
 from ckpt_plugin.policy.schedule import CheckpointRules
 from ckpt_plugin.tiers.shared.tier import SharedTier
@@ -54,12 +56,12 @@ _LAZY = {
     "HostPromptCache": "hosts.llama_cpp.host_cache",
     "SequenceContext": "hosts.llama_cpp.sequences",
     "ParallelLlama": "hosts.llama_cpp.parallel",
-    "DraftModel": "speculative",
-    "DraftStatePlugin": "speculative",
-    "NgramDraft": "speculative",
-    "NgramStatePlugin": "speculative",
-    "enable_speculative": "speculative",
-    "CheckpointMiddleware": "middleware",
+    "DraftModel": "hosts.llama_cpp.speculative",
+    "DraftStatePlugin": "hosts.llama_cpp.speculative",
+    "NgramDraft": "hosts.llama_cpp.speculative",
+    "NgramStatePlugin": "hosts.llama_cpp.speculative",
+    "enable_speculative": "hosts.llama_cpp.speculative",
+    "CheckpointMiddleware": "http.middleware",
     "default_model_path": "hosts.llama_cpp.default_model",
     "DEFAULT_CHAT_FORMAT": "hosts.llama_cpp.chat_formats",
     "register_chat_formats": "hosts.llama_cpp.chat_formats",

@@ -1,3 +1,20 @@
 """The import path earlier releases documented for speculative decoding with a draft model: :mod:`ckpt_plugin.hosts.llama_cpp.speculative`."""
 
-from ckpt_plugin.hosts.llama_cpp.speculative import *  # noqa: F401,F403
+from ckpt_plugin.hosts.llama_cpp import speculative as _home
+from ckpt_plugin.hosts.llama_cpp.speculative import (
+    DRAFT_ENGINE_SETTINGS,
+    DraftModel,
+    DraftStatePlugin,
+    HEADER,
+    KeptInStep,
+    NgramDraft,
+    NgramStatePlugin,
+    accepted_prefix,
+    check_draft_pair,
+    draft_buffer,
+    enable_speculative,
+    parse_draft_header,
+)
+
+# The names its home exports, no more (the home module is the one list of them).
+__all__ = list(_home.__all__)

@@ -16,6 +16,8 @@ import queue
 import threading
 from typing import Callable
 
+__all__ = ["SPARE_MAPPER"]
+
 MapFn = Callable[[int], mmap.mmap]
 Deliver = Callable[[mmap.mmap | None, int], None]
 

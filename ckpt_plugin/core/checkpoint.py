@@ -22,6 +22,22 @@ import numpy as np
 
 from ckpt_plugin.core.buffers import SPARE_MAPPER
 
+__all__ = [
+    "Checkpoint",
+    "DEFAULT_POOL",
+    "DRAFT",
+    "EXTRA_NAME",
+    "ExtraState",
+    "SPECULATIVE",
+    "StateBuffer",
+    "StateBufferPool",
+    "TARGET",
+    "allocate_state_buffer",
+    "as_state_buffer",
+    "check_extra_name",
+    "freeze",
+]
+
 StateBuffer = np.ndarray
 """A read-only, C-contiguous ``uint8`` array holding serialized llama.cpp state."""
 

@@ -16,6 +16,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ckpt_plugin.core.entry import DEFAULT_MAX_BYTES
 
+__all__ = [
+    "CheckpointSettings",
+    "ServeSettings",
+    "check_redis_url",
+    "combination_error",
+    "parse_size",
+    "physical_memory_bytes",
+    "setting_variables",
+    "unknown_variables",
+]
+
 
 def physical_memory_bytes() -> int:
     """Total physical memory of this machine in bytes (0 if the platform does not say)."""

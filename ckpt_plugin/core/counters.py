@@ -6,6 +6,8 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping
 
+__all__ = ["Cleared", "Counters", "REUSE_SOURCES", "TIER_SOURCES"]
+
 
 @dataclass
 class Counters:

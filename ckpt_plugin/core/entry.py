@@ -9,6 +9,8 @@ import numpy as np
 
 from ckpt_plugin.core.checkpoint import Checkpoint, StateBuffer
 
+__all__ = ["CacheEntry", "DEFAULT_MAX_BYTES"]
+
 DEFAULT_MAX_BYTES = 2 << 30
 """Default byte budget of a prompt cache: 2 GiB, llama-cpp-python's ``LlamaRAMCache`` default."""
 

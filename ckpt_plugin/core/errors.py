@@ -7,6 +7,25 @@ from __future__ import annotations
 
 import os
 
+__all__ = [
+    "CaptureError",
+    "CheckpointError",
+    "ConfigError",
+    "CorruptFileError",
+    "EmptySlotError",
+    "ForeignNamespaceError",
+    "GrammarDeadEnd",
+    "IncompatibleStateError",
+    "OpaqueMemoryError",
+    "PluginError",
+    "PoolFullError",
+    "SlotBusyError",
+    "SlotFileNotFoundError",
+    "StateRestoreError",
+    "UnsafePathError",
+    "UnsupportedHostError",
+]
+
 
 class CheckpointError(RuntimeError):
     """Base class of every ckpt_plugin error."""

@@ -19,6 +19,8 @@ import hashlib
 
 import numpy as np
 
+__all__ = ["is_media", "media_digest", "media_start", "media_token_ids"]
+
 _MASK_31 = np.uint64((1 << 31) - 1)
 
 

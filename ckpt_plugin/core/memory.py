@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+__all__ = ["MemoryKind", "PartialSizes", "common_prefix", "partial_cells"]
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryKind:

@@ -12,6 +12,8 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+__all__ = ["Refused", "RequestInterrupted", "RequestScope", "current_request"]
+
 
 @dataclass(frozen=True)
 class Refused:

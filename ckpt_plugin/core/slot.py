@@ -9,6 +9,8 @@ import numpy as np
 from ckpt_plugin.core.checkpoint import Checkpoint
 from ckpt_plugin.core.memory import MemoryKind, common_prefix
 
+__all__ = ["Backend", "Slot"]
+
 
 class Backend(Protocol):
     """What the manager needs from a model context (implemented by :mod:`ckpt_plugin.hosts.llama_cpp`).

@@ -1,1 +1,3 @@
-"""The checkpoint engine: the manager, each slot's controller and memory, the captures and the cost probes."""
+"""The checkpoint engine: the manager, each slot's controller and memory, the captures."""
+
+__all__: list[str] = []

@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from ckpt_plugin.core.checkpoint import Checkpoint, ExtraState, StateBuffer, freeze
 from ckpt_plugin.core.errors import IncompatibleStateError, StateRestoreError
-from ckpt_plugin.policy.plan import MemoryKind, PartialSizes, partial_cells
+from ckpt_plugin.core.memory import MemoryKind, PartialSizes, partial_cells
 
 if TYPE_CHECKING:
     from ckpt_plugin.plugins.engine_hooks import EngineHooks
     from ckpt_plugin.core.slot import Backend, Slot
     from ckpt_plugin.core.counters import Counters
     from ckpt_plugin.tiers.store import TieredStore
+
+__all__ = ["Captures"]
 
 log = logging.getLogger("ckpt_plugin")
 

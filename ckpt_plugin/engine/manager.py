@@ -41,7 +41,7 @@ from ckpt_plugin.tiers.store import TieredStore
 from ckpt_plugin.tiers.registry import TIERS
 from ckpt_plugin.tiers.protocol import Tier
 
-__all__ = ["Backend", "CheckpointManager", "Counters", "DEFAULT_PLUGIN_NAME", "DefaultPlugin", "Slot"]
+__all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckpt_plugin")
 

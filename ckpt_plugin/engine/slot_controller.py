@@ -27,7 +27,8 @@ from ckpt_plugin.core.slot import Backend, Slot
 from ckpt_plugin.tiers.cost_probes import CostProbe, live_keep
 from ckpt_plugin.policy.costs import PlanClock
 from ckpt_plugin.core.errors import StateRestoreError
-from ckpt_plugin.policy.plan import LiveMemory, MemoryKind, Plan, keep_limit, plan_prompt
+from ckpt_plugin.core.memory import MemoryKind
+from ckpt_plugin.policy.plan import LiveMemory, Plan, keep_limit, plan_prompt
 from ckpt_plugin.policy.schedule import CheckpointRules, branch_point, pause_points
 from ckpt_plugin.core.counters import TIER_SOURCES
 from ckpt_plugin.core.request import RequestInterrupted, current_request
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from ckpt_plugin.engine.captures import Captures
     from ckpt_plugin.plugins.engine_hooks import EngineHooks
     from ckpt_plugin.tiers.store import TieredStore
+
+__all__ = ["SlotController"]
 
 log = logging.getLogger("ckpt_plugin")
 

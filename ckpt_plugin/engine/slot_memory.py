@@ -22,7 +22,8 @@ from ckpt_plugin.core.config import CheckpointSettings
 from ckpt_plugin.policy.costs import RAM, CostModel
 from ckpt_plugin.core.errors import CaptureError, OpaqueMemoryError, StateRestoreError
 from ckpt_plugin.policy.eviction import checkpoints_to_erase, slot_checkpoint_limit
-from ckpt_plugin.policy.plan import Candidate, MemoryKind, Plan, swa_threshold
+from ckpt_plugin.core.memory import MemoryKind
+from ckpt_plugin.policy.plan import Candidate, Plan, swa_threshold
 from ckpt_plugin.core.slot import Backend, Slot
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from ckpt_plugin.plugins.engine_hooks import EngineHooks
     from ckpt_plugin.core.counters import Counters
     from ckpt_plugin.tiers.store import TieredStore
+
+__all__ = ["CellSource", "SlotMemory"]
 
 log = logging.getLogger("ckpt_plugin")
 

@@ -14,6 +14,8 @@ from collections import deque
 import anyio
 from starlette.types import Receive
 
+__all__ = ["AdmissionQueue", "ServerBusy"]
+
 
 class ServerBusy(Exception):
     """Every slot is busy and the queue is full."""

@@ -12,6 +12,8 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+__all__ = ["BodyLimitMiddleware", "BodyTooLarge", "ClientDisconnect", "error_response", "read_body"]
+
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 """Default limit: 32 MiB, far above any chat request (a 128k-token prompt is under 1 MiB of JSON)."""
 

@@ -25,6 +25,8 @@ from ckpt_plugin.core.errors import GrammarDeadEnd, PoolFullError
 from ckpt_plugin.core.request import Refused, RequestScope
 from ckpt_plugin.http.body_limit import error_response
 
+__all__ = ["Generation", "replay_body"]
+
 log = logging.getLogger("ckpt_plugin")
 
 

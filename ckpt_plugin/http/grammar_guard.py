@@ -39,6 +39,8 @@ from typing import IO, Any
 
 from ckpt_plugin.http.request_checks import GrammarSource
 
+__all__ = ["GrammarGuard", "serve"]
+
 log = logging.getLogger("ckpt_plugin")
 
 CRASHED = ("compiling or sampling with it crashed llama.cpp's grammar code (nested too deeply, or a point where no "

@@ -18,6 +18,8 @@ from typing import Any, Iterator, Mapping
 
 from ckpt_plugin.http.request_checks import RequestRejected
 
+__all__ = ["check_media_readable", "check_messages_given"]
+
 MEDIA_PARTS: dict[str, str] = {"image_url": "an image", "input_audio": "audio", "file": "a file"}
 """The OpenAI API's content part types that carry something other than text, and what each carries (for the
 message)."""

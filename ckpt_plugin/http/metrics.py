@@ -15,6 +15,8 @@ from ckpt_plugin.core.counters import REUSE_SOURCES
 from ckpt_plugin.plugins.hookspecs import hookimpl
 from ckpt_plugin.engine.manager import CheckpointManager
 
+__all__ = ["CONTENT_TYPE", "Metrics", "ModelStats", "SharedTierCollector", "live_stats"]
+
 ModelStats = Callable[[], Mapping[str, Mapping[str, Any]]]
 """Returns ``stats()`` by model name: the live managers', and those a server keeps for models it has unloaded."""
 

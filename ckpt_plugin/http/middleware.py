@@ -61,6 +61,8 @@ from ckpt_plugin.http.tenants import Tenants
 from ckpt_plugin.http.token_limits import with_max_completion_tokens
 from ckpt_plugin.http.usage import UsageRewriter
 
+__all__ = ["CheckpointMiddleware"]
+
 log = logging.getLogger("ckpt_plugin")
 
 _PARSE_ON_LOOP_BYTES = 256 << 10

@@ -14,6 +14,23 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+__all__ = [
+    "GrammarSource",
+    "RequestRejected",
+    "chat_grammars",
+    "check_content_type",
+    "check_generation_flags",
+    "check_logit_bias",
+    "check_no_control_characters",
+    "check_numbers_given",
+    "check_prompt_fits",
+    "check_reply_fits",
+    "check_token_ids",
+    "completion_grammars",
+    "parse_json_object",
+    "prompt_text_bytes",
+]
+
 JSON_MEDIA_TYPES = ("application/json",)
 
 

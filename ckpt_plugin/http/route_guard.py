@@ -69,4 +69,4 @@ def validation_message(exc: ValidationError) -> str:
     )
 
 
-__all__ = ["RequestRejected", "RouteGuard", "SchemaGuard", "default_guards", "validation_message"]
+__all__ = ["RouteGuard", "default_guards", "validation_message"]

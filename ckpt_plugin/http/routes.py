@@ -48,10 +48,12 @@ from ckpt_plugin.core.errors import (
 )
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.http.metrics import CONTENT_TYPE, Metrics, ModelStats, live_stats
-from ckpt_plugin.persist import safe_path
+from ckpt_plugin.persist.paths import safe_path
 from ckpt_plugin.http.request_checks import RequestRejected, check_content_type
 from ckpt_plugin.core.counters import Cleared
 from ckpt_plugin.http.tenants import Caller, Tenants
+
+__all__ = ["CheckpointRoutes", "Managers", "unique_managers"]
 
 log = logging.getLogger("ckpt_plugin")
 

@@ -15,6 +15,8 @@ from starlette.datastructures import Headers
 
 from ckpt_plugin.core.config import ServeSettings
 
+__all__ = ["Caller", "Tenants", "namespace_for"]
+
 ANONYMOUS = "anonymous"
 
 

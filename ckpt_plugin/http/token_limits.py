@@ -16,6 +16,8 @@ from typing import Any
 
 from ckpt_plugin.http.request_checks import RequestRejected
 
+__all__ = ["with_max_completion_tokens"]
+
 CURRENT = "max_completion_tokens"
 OLDER = "max_tokens"
 

@@ -14,6 +14,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckpt_plugin.core.request import RequestScope
 
+__all__ = ["UsageRewriter"]
+
 
 class UsageRewriter:
     """Adds ``prompt_tokens_details.cached_tokens`` to one completion response."""

@@ -1,6 +1,6 @@
 """The versioned on-disk format of slot files and disk-tier cache entries (see ``docs/persistence-format.md``).
 
-A file holds one :class:`~ckpt_plugin.tiers.ram.CacheEntry`: the model fingerprint, the namespace, the tokens, the full
+A file holds one :class:`~ckpt_plugin.core.entry.CacheEntry`: the model fingerprint, the namespace, the tokens, the full
 state and the checkpoints of its lineage, each state record with its target blob and its extra states, each a blob
 stored with its name (a draft model's, a speculative decoder's, any plugin's). Blob payloads start on 64-byte
 boundaries. Files of version 1.0, whose records had a draft and a speculative blob in fixed places, are still read.
@@ -14,7 +14,7 @@ more than mapping did, since the digest check reads every byte once either way (
 buffers, ``docs/persistence-format.md``), and a buffer of its own per blob lets the RAM cache count, keep and free
 each state like any capture.
 
-Safety rules (DESIGN.md section 5):
+Safety rules (docs/persistence-format.md, "Security and safety rules"):
 
 - nothing is unpickled; the file is parsed field by field and every length is checked against the bytes left before
   anything is sliced or allocated, so allocations are bounded by the file's real size, never by a length field;

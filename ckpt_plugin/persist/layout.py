@@ -7,6 +7,44 @@ from dataclasses import dataclass
 import numpy as np
 from ckpt_plugin.core.checkpoint import DRAFT, SPECULATIVE, TARGET
 
+__all__ = [
+    "ALIGNMENT",
+    "BLOBS_V1",
+    "CHUNK_SIZE",
+    "DIGEST_SIZE",
+    "END_MAGIC",
+    "EXTRA_KIND",
+    "EXTRA_RECORD",
+    "EntryHeader",
+    "FILE_BLOB_REFS",
+    "FILE_FLAGS_REQUIRED",
+    "FIXED_HEADER",
+    "FORMAT_VERSION",
+    "INT32_RANGE",
+    "MAGIC",
+    "MAX_EXTRAS",
+    "MAX_NAME_BYTES",
+    "MAX_RECORDS",
+    "MAX_TEXT_BYTES",
+    "MIN_FILE_SIZE",
+    "READ_VERSIONS",
+    "RECORD_V1",
+    "REC_KNOWN_V1",
+    "REC_PARTIAL",
+    "REC_TARGET",
+    "Record",
+    "SAFE_NAME",
+    "STATE_KIND",
+    "STATE_RECORD",
+    "TEMP_PREFIX",
+    "TOKEN_DTYPE",
+    "TRAILER",
+    "U32",
+    "U64",
+    "ZEROS",
+    "pad",
+]
+
 
 MAGIC = b"CKPTSLOT"
 """First 8 bytes of every file."""

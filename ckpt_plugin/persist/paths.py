@@ -9,6 +9,8 @@ from ckpt_plugin.core.errors import UnsafePathError
 
 from ckpt_plugin.persist.layout import SAFE_NAME, TEMP_PREFIX
 
+__all__ = ["iter_entry_files", "remove_stale_temp_files", "safe_path"]
+
 def safe_path(directory: str | os.PathLike[str], filename: str) -> Path:
     """Confine a client-supplied ``filename`` to ``directory``; return ``directory / filename``.
 

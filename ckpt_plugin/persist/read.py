@@ -43,6 +43,8 @@ from ckpt_plugin.persist.layout import (
 )
 from ckpt_plugin.persist.sources import FileSource, MappedSource, PrivateSource, Source, private_layout, read_fully
 
+__all__ = ["decode_entry", "read_entry", "read_header", "read_recorded_namespace"]
+
 @dataclass
 class Header:
     version: tuple[int, int]

@@ -15,6 +15,8 @@ from ckpt_plugin.core.errors import CorruptFileError
 
 from ckpt_plugin.persist.layout import ALIGNMENT, DIGEST_SIZE, Record
 
+__all__ = ["FileSource", "MappedSource", "PrivateSource", "Source", "private_layout", "read_fully"]
+
 class Source:
     """Bounded random access to a file's bytes (in memory, or ``pread``s), raising :class:`CorruptFileError`."""
 

@@ -41,6 +41,8 @@ from ckpt_plugin.persist.layout import (
     pad,
 )
 
+__all__ = ["encode_entry", "write_entry"]
+
 def _write_chunk(file: BinaryIO, chunk: memoryview) -> int:
     """Write part of ``chunk`` (one ``write`` call); return the bytes written. The single place data hits the file."""
     written = file.write(chunk)

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from ckpt_plugin.plugins.view import EngineView
     from ckpt_plugin.core.slot import Slot
 
+__all__ = ["DEFAULT_PLUGIN_NAME", "DefaultPlugin"]
+
 DEFAULT_PLUGIN_NAME = "ckpt_plugin.default"
 
 

@@ -18,6 +18,8 @@ from ckpt_plugin.core.errors import PluginError
 if TYPE_CHECKING:
     from ckpt_plugin.plugins.view import EngineView
 
+__all__ = ["EngineHooks", "ProjectPlugins"]
+
 
 class ProjectPlugins(pluggy.PluginManager):
     """pluggy's plugin manager, keeping track of the hooks a call can skip: those without implementations, while no

@@ -29,6 +29,27 @@ if TYPE_CHECKING:
     from ckpt_plugin.plugins.view import EngineView
     from ckpt_plugin.core.slot import Slot
 
+__all__ = [
+    "PROJECT_NAME",
+    "checkpoint_wanted",
+    "hookimpl",
+    "hookspec",
+    "on_attach",
+    "on_cache_alloc",
+    "on_cache_evict",
+    "on_cache_hit",
+    "on_capture_failed",
+    "on_checkpoint_capture",
+    "on_checkpoint_created",
+    "on_checkpoint_erased",
+    "on_detach",
+    "on_full_reprocess",
+    "on_prompt_processed",
+    "on_slot_restore",
+    "restored_extra",
+    "select_cache_victims",
+]
+
 PROJECT_NAME = "ckpt_plugin"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -245,7 +266,7 @@ def select_cache_victims(
     written (disk).
 
     :param manager: The calling manager.
-    :param entries: Every evictable candidate, least recently used first: :class:`~ckpt_plugin.tiers.ram.CacheEntry`
+    :param entries: Every evictable candidate, least recently used first: :class:`~ckpt_plugin.core.entry.CacheEntry`
         objects for ``"ram"``, :class:`~ckpt_plugin.tiers.disk.DiskRecord` objects for ``"disk"`` (both have
         ``nbytes``, ``n_tokens``, ``namespace`` and ``tokens``).
     :param n_bytes: Bytes still missing.

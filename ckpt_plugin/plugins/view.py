@@ -17,10 +17,12 @@ if TYPE_CHECKING:
     from ckpt_plugin.core.config import CheckpointSettings
     from ckpt_plugin.core.counters import Counters
     from ckpt_plugin.tiers.disk import DiskTier
-    from ckpt_plugin.policy.plan import MemoryKind
+    from ckpt_plugin.core.memory import MemoryKind
     from ckpt_plugin.policy.schedule import CheckpointRules
     from ckpt_plugin.core.slot import Backend, Slot
     from ckpt_plugin.tiers.store import TieredStore
+
+__all__ = ["EngineView", "SlotView"]
 
 
 class SlotView(Protocol):

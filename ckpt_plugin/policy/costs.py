@@ -31,6 +31,24 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
+__all__ = [
+    "CostModel",
+    "DEFAULT_RATES",
+    "EVAL_BUCKETS",
+    "LOCAL_TIERS",
+    "LOOKUP_SHARE",
+    "MIN_RATE_BYTES",
+    "MIN_SAVING",
+    "PlanClock",
+    "RAM",
+    "Rates",
+    "SHARED",
+    "TransferRate",
+    "clearly_cheaper",
+    "option_seconds",
+    "with_transfer",
+]
+
 RAM = "ram"
 """Restoring a state into the context from host memory (every restore pays it: live or RAM checkpoints, entries)."""
 DISK = "disk"

@@ -16,6 +16,15 @@ from typing import Callable, Protocol, Sequence, TypeVar
 
 from ckpt_plugin.core.checkpoint import Checkpoint
 
+__all__ = [
+    "Chooser",
+    "SLOT_BUDGET_SHARE",
+    "checkpoints_to_erase",
+    "evict_until",
+    "lru_victims",
+    "slot_checkpoint_limit",
+]
+
 
 class Sized(Protocol):
     """What a victim chooser sees of a candidate (a cache entry, a disk-tier record)."""

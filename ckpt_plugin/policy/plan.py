@@ -24,8 +24,23 @@ from typing import Callable, Generic, Iterable, Protocol, Sequence, TypeVar
 import numpy as np
 
 from ckpt_plugin.core.checkpoint import Checkpoint
-from ckpt_plugin.core.memory import MemoryKind, PartialSizes, common_prefix, partial_cells
+from ckpt_plugin.core.memory import MemoryKind, common_prefix
 from ckpt_plugin.policy.costs import LOCAL_TIERS, Rates, clearly_cheaper, option_seconds
+
+__all__ = [
+    "Candidate",
+    "Hit",
+    "LiveMemory",
+    "Plan",
+    "Reuse",
+    "best_reuse",
+    "can_truncate",
+    "checkpoint_serves",
+    "keep_limit",
+    "plan_prompt",
+    "shares_cells",
+    "swa_threshold",
+]
 
 
 def keep_limit(n_prompt: int, max_keep: int | None = None) -> int:

@@ -14,7 +14,17 @@ from typing import Sequence
 
 from ckpt_plugin.core.checkpoint import Checkpoint
 from ckpt_plugin.policy.costs import CostModel
-from ckpt_plugin.policy.plan import MemoryKind, Plan
+from ckpt_plugin.core.memory import MemoryKind
+from ckpt_plugin.policy.plan import Plan
+
+__all__ = [
+    "CheckpointRules",
+    "branch_point",
+    "default_min_step",
+    "pause_points",
+    "prompt_end_checkpoint",
+    "want_checkpoint",
+]
 
 
 @dataclass(frozen=True, slots=True)

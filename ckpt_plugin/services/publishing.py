@@ -9,6 +9,8 @@ from ckpt_plugin.core.errors import CaptureError
 if TYPE_CHECKING:
     from ckpt_plugin.plugins.view import EngineView
 
+__all__ = ["publish"]
+
 
 def publish(manager: EngineView) -> bool:
     """Offer ``manager``'s live slots to the shared tier, so that another replica can continue from them; call it

@@ -23,10 +23,13 @@ from ckpt_plugin.core.errors import (
     IncompatibleStateError,
     StateRestoreError,
 )
-from ckpt_plugin.persist import read_entry, write_entry
+from ckpt_plugin.persist.read import read_entry
+from ckpt_plugin.persist.write import write_entry
 
 if TYPE_CHECKING:
     from ckpt_plugin.plugins.view import SlotView
+
+__all__ = ["erase_slot", "restore_slot", "save_slot"]
 
 
 def save_slot(controller: SlotView, path: str | os.PathLike[str], namespace: str | None = None) -> dict[str, Any]:

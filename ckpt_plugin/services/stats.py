@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from ckpt_plugin.core.checkpoint import Checkpoint
     from ckpt_plugin.plugins.view import EngineView
 
+__all__ = ["describe", "manager_stats", "plugin_names"]
+
 
 def manager_stats(manager: EngineView) -> dict[str, Any]:
     """Counters plus memory figures.

@@ -26,7 +26,7 @@ import numpy as np
 from ckpt_plugin.core.request import RequestScope, current_request
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.http.tenants import namespace_for
-from ckpt_plugin.policy.plan import MemoryKind
+from ckpt_plugin.core.memory import MemoryKind
 
 __all__ = [
     "FAKE_KINDS",

@@ -22,11 +22,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ckpt_plugin.policy.costs import LOCAL_TIERS, LOOKUP_SHARE, MIN_SAVING, RAM, SHARED, CostModel, Rates, clearly_cheaper
-from ckpt_plugin.policy.plan import LiveMemory, MemoryKind, best_reuse, keep_limit
+from ckpt_plugin.core.memory import MemoryKind
+from ckpt_plugin.policy.plan import LiveMemory, best_reuse, keep_limit
 
 if TYPE_CHECKING:
     from ckpt_plugin.policy.plan import Hit
     from ckpt_plugin.tiers.protocol import CacheTier, Query
+
+__all__ = ["CostProbe", "live_keep"]
 
 LOOKUP_ROUND_TRIPS = 2
 """Round trips of a shared-tier lookup that finds something: the index keys, then the manifests."""

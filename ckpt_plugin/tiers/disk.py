@@ -29,9 +29,13 @@ from ckpt_plugin.core.checkpoint import StateBufferPool
 from ckpt_plugin.core.errors import CheckpointError, CorruptFileError
 from ckpt_plugin.policy.eviction import Chooser, evict_until
 from ckpt_plugin.policy.plan import Hit
-from ckpt_plugin.persist import read_entry, read_header, read_recorded_namespace, remove_stale_temp_files, write_entry
+from ckpt_plugin.persist.paths import remove_stale_temp_files
+from ckpt_plugin.persist.read import read_entry, read_header, read_recorded_namespace
+from ckpt_plugin.persist.write import write_entry
 from ckpt_plugin.tiers.radix import RadixIndex
 from ckpt_plugin.tiers.protocol import Admission, Query, Tier
+
+__all__ = ["DiskRecord", "DiskTier"]
 
 log = logging.getLogger("ckpt_plugin")
 

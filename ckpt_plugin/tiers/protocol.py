@@ -19,7 +19,10 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ckpt_plugin.core.checkpoint import StateBufferPool
-    from ckpt_plugin.policy.plan import Hit, MemoryKind
+    from ckpt_plugin.core.memory import MemoryKind
+    from ckpt_plugin.policy.plan import Hit
+
+__all__ = ["Admission", "CacheTier", "Query", "Tier"]
 
 
 class Tier(str, enum.Enum):
@@ -85,5 +88,5 @@ class CacheTier(Protocol):
         hit's ``fetch``."""
 
     def admit(self, entry: Any, admission: Admission) -> bool:
-        """Offer ``entry`` (a :class:`~ckpt_plugin.tiers.ram.CacheEntry`) to the tier, within its budget and through
+        """Offer ``entry`` (a :class:`~ckpt_plugin.core.entry.CacheEntry`) to the tier, within its budget and through
         ``admission``; return whether the tier holds it now (or will: the shared tier writes behind the response)."""

@@ -18,6 +18,8 @@ from typing import Any, Generic, Iterator, Protocol, Sequence, TypeVar
 
 import numpy as np
 
+__all__ = ["RadixIndex"]
+
 TOKEN = 4  # bytes per token id (int32)
 
 

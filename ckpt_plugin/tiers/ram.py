@@ -14,17 +14,18 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from ckpt_plugin.core.checkpoint import Checkpoint, StateBuffer, StateBufferPool
+from ckpt_plugin.core.checkpoint import StateBuffer, StateBufferPool
 from ckpt_plugin.core.entry import DEFAULT_MAX_BYTES, CacheEntry
 from ckpt_plugin.policy.eviction import Chooser, evict_until
 from ckpt_plugin.policy.plan import Hit
 from ckpt_plugin.tiers.radix import RadixIndex
 from ckpt_plugin.tiers.protocol import Admission, Query, Tier
+
+__all__ = ["PromptCache", "locked"]
 
 MAX_RECYCLE_BYTES = 64 << 20
 

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from ckpt_plugin.core.config import CheckpointSettings
     from ckpt_plugin.tiers.shared.tier import SharedTier
 
+__all__ = ["TIERS", "TierRegistry"]
+
 log = logging.getLogger("ckpt_plugin")
 
 

@@ -16,12 +16,15 @@ from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.tiers.ram import PromptCache
 from ckpt_plugin.core.checkpoint import StateBuffer
 from ckpt_plugin.tiers.disk import DiskTier
-from ckpt_plugin.policy.plan import Hit, MemoryKind, keep_limit
+from ckpt_plugin.core.memory import MemoryKind
+from ckpt_plugin.policy.plan import Hit, keep_limit
 from ckpt_plugin.tiers.protocol import CacheTier, Query, Tier
 
 if TYPE_CHECKING:
     from ckpt_plugin.tiers.cost_probes import CostProbe
     from ckpt_plugin.tiers.shared.tier import SharedTier
+
+__all__ = ["StoreEvents", "TieredStore"]
 
 
 class StoreEvents(Protocol):

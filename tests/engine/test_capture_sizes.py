@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ckpt_plugin
-from ckpt_plugin.policy.plan import partial_cells
+from ckpt_plugin.core.memory import partial_cells
 from ckpt_plugin.testing import FAKE_KINDS, FakeBackend
 
 rng = np.random.default_rng(5)

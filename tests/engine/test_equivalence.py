@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt_plugin
-from ckpt_plugin.policy.plan import common_prefix
+from ckpt_plugin.core.memory import common_prefix
 from ckpt_plugin.testing import assert_same_answer, fresh_greedy_tokens, greedy_tokens
 
 N_GENERATE = 4

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
-from ckpt_plugin.policy.plan import common_prefix
+from ckpt_plugin.core.memory import common_prefix
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from ckpt_plugin.policy.plan import MemoryKind
+from ckpt_plugin.core.memory import MemoryKind
 
 from support.factories import Stored, window_checkpoint
 

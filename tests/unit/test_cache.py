@@ -11,9 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_plugin.core.entry import CacheEntry
-from ckpt_plugin.tiers.ram import PromptCache, RadixIndex
+from ckpt_plugin.tiers import radix
+from ckpt_plugin.tiers.radix import RadixIndex
+from ckpt_plugin.tiers.ram import PromptCache
 from ckpt_plugin.core.checkpoint import Checkpoint, StateBufferPool, freeze
-from ckpt_plugin.policy.plan import common_prefix
+from ckpt_plugin.core.memory import common_prefix
 from ckpt_plugin.core.buffers import SPARE_MAPPER
 
 from support import factories
@@ -71,20 +73,18 @@ def test_lookup_cost_does_not_scan_entries() -> None:
         tail = rng.integers(0, 1000, 500).astype(np.int32)
         index.insert(entry(np.concatenate((shared, tail)).tolist()))
     calls = 0
-    real = common_prefix
+    real = radix.common_tokens
 
-    def counting(a: np.ndarray, b: np.ndarray) -> int:
+    def counting(edge: bytes, key: bytes, offset: int) -> int:
         nonlocal calls
         calls += 1
-        return real(a, b)
+        return real(edge, key, offset)
 
-    import ckpt_plugin.tiers.ram as cache_module
-
-    cache_module.common_prefix = counting
+    radix.common_tokens = counting
     try:
         index.lookup(np.concatenate((shared, rng.integers(0, 1000, 500).astype(np.int32))))
     finally:
-        cache_module.common_prefix = real
+        radix.common_tokens = real
     assert calls <= 3, f"lookup compared {calls} edges"
 
 

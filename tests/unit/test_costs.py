@@ -26,7 +26,8 @@ from ckpt_plugin.policy.costs import (
     with_transfer,
 )
 from ckpt_plugin.http.metrics import Metrics
-from ckpt_plugin.policy.plan import Hit, LiveMemory, MemoryKind, Plan, best_reuse, can_truncate, plan_prompt
+from ckpt_plugin.core.memory import MemoryKind
+from ckpt_plugin.policy.plan import Hit, LiveMemory, Plan, best_reuse, can_truncate, plan_prompt
 from ckpt_plugin.policy.schedule import CheckpointRules, pause_points, want_checkpoint
 from ckpt_plugin.testing import fake_manager, run_prompt
 from ckpt_plugin.tiers.protocol import Query

@@ -53,6 +53,8 @@ from ckpt_plugin.hosts.llama_cpp.host_cache import (
 from ckpt_plugin.hosts.llama_cpp.multimodal import MediaChunkDecode, MediaFlow, install_relay, remove_relay
 from ckpt_plugin.hosts.llama_cpp.outside_writes import UNNAMED, Watched, same_handle
 
+__all__ = ["Attachment", "TESTED_VERSIONS", "attach", "count_evaluated_tokens", "detach", "manager_of", "open_llama"]
+
 TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
 """llama-cpp-python versions attach accepts: from the first (inclusive) to the second (exclusive)."""
 

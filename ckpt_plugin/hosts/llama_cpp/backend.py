@@ -11,10 +11,12 @@ from llama_cpp.llama import Llama, LlamaState
 
 from ckpt_plugin.hosts.llama_cpp import compat as host
 from ckpt_plugin.hosts.llama_cpp.logits import EVERY_ROW, NO_ROWS, LogitsNeeds, max_keep
-from ckpt_plugin.policy.plan import common_prefix
+from ckpt_plugin.core.memory import common_prefix
 from ckpt_plugin.core.request import RequestInterrupted, current_request
 from ckpt_plugin.hosts.llama_cpp.context import state_flags, U8_P, writable_start, fingerprint, memory_kind
 from ckpt_plugin.hosts.llama_cpp.outside_writes import OUTSIDE_WRITES, engine_writes
+
+__all__ = ["HostRows", "LlamaBackend"]
 
 
 class HostRows:
@@ -160,7 +162,7 @@ class HostRows:
 
 
 class LlamaBackend(HostRows):
-    """Sequence 0 of a ``llama_cpp.Llama`` context, as the manager's :class:`~ckpt_plugin.engine.manager.Backend`."""
+    """Sequence 0 of a ``llama_cpp.Llama`` context, as the manager's :class:`~ckpt_plugin.core.slot.Backend`."""
 
     def __init__(self, llama: Llama) -> None:
         self.kind = memory_kind(llama)

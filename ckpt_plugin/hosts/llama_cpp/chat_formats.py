@@ -11,6 +11,18 @@ from llama_cpp.llama_chat_format import ChatFormatterResponse, Jinja2ChatFormatt
 
 from ckpt_plugin.hosts.llama_cpp import compat as host
 
+__all__ = [
+    "DEFAULT_CHAT_FORMAT",
+    "GEMMA3_FORMAT",
+    "TRANSCRIPT_FORMAT",
+    "TRANSCRIPT_STOP",
+    "format_transcript",
+    "format_transcript_with_examples",
+    "gemma3_formatter",
+    "known_chat_formats",
+    "register_chat_formats",
+]
+
 
 TRANSCRIPT_FORMAT = "ckpt-transcript"
 """A plain transcript: system messages as a first paragraph, then ``User: ...`` / ``Assistant: ...`` lines, ending

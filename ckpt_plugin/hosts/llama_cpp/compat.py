@@ -17,6 +17,28 @@ from typing import Any
 
 import numpy as np
 
+__all__ = [
+    "COMPLETION_METHOD",
+    "SERVER_CHAT_FORMATS",
+    "context_alive",
+    "decode_handles",
+    "give_own_state",
+    "has_context",
+    "init_mtmd_context",
+    "model_wrapper",
+    "proxy_current_alias",
+    "proxy_current_model",
+    "proxy_model_alias",
+    "proxy_model_settings",
+    "seed",
+    "serialize_bitmap_creation",
+    "server_llama_proxy",
+    "set_evaluated_prefix",
+    "set_logits_current",
+    "set_seed",
+    "wants_all_logits",
+]
+
 CHECKED_VERSION = "0.3.36"
 """The llama-cpp-python release whose private attributes this module was checked against."""
 

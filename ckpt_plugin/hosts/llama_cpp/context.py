@@ -18,9 +18,24 @@ import llama_cpp._logger as llama_logger
 import numpy as np
 from llama_cpp._internals import LlamaTokenDataArray
 from llama_cpp.llama import Llama
-from llama_cpp.llama_speculative import LlamaDraftModel  # noqa: F401  (the base class speculative.py subclasses)
 
-from ckpt_plugin.policy.plan import MemoryKind
+from ckpt_plugin.core.memory import MemoryKind
+
+__all__ = [
+    "U8_P",
+    "clear_memory",
+    "end_of_generation_mask",
+    "fingerprint",
+    "fingerprint_of",
+    "grammar_problem_in_worker",
+    "last_logits",
+    "memory_kind",
+    "state_flags",
+    "version_tuple",
+    "vocab_digest",
+    "vocab_facts_in_worker",
+    "writable_start",
+]
 
 U8_P = ctypes.POINTER(ctypes.c_uint8)
 

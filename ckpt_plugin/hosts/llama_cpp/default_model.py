@@ -8,6 +8,8 @@ import pathlib
 import sys
 from typing import Any
 
+__all__ = ["default_model_location", "default_model_path", "is_default_model"]
+
 
 def default_model_location() -> pathlib.Path:
     """Where the default model file is, or will be once assembled, in the user's cache directory

@@ -16,6 +16,8 @@ import numpy as np
 from ckpt_plugin.hosts.llama_cpp.default_model import default_model_path
 from ckpt_plugin.hosts.llama_cpp.attach import attach, count_evaluated_tokens, open_llama
 
+__all__ = ["main"]
+
 
 def requests(n_tokens: int, seed: int = 0) -> list[tuple[str, list[int]]]:
     rng = np.random.default_rng(seed)

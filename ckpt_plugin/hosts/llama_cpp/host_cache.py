@@ -19,6 +19,8 @@ from ckpt_plugin.tiers.disk import DiskTier
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.tiers.registry import TIERS
 
+__all__ = ["HostPromptCache", "SharedLlamaState", "host_only_known", "mark_host_only", "tiers_for_host_cache"]
+
 _NO_SCORES = freeze(np.empty((0, 0), dtype=np.single))
 
 

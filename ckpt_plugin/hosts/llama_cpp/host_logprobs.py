@@ -10,6 +10,8 @@ from llama_cpp.llama import Llama
 
 from ckpt_plugin.hosts.llama_cpp.logprobs import CompletionTrace, LogprobsRequest
 
+__all__ = ["completion_with_host_logprobs"]
+
 
 def completion_with_host_logprobs(llama: Llama, completion: Iterator[Any], request: LogprobsRequest) -> Iterator[Any]:
     """The host's response to a logprobs request, with the logprobs it would have computed.

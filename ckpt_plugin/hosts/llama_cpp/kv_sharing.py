@@ -33,7 +33,10 @@ from ckpt_plugin.core.counters import Counters
 from ckpt_plugin.core.request import current_request
 from ckpt_plugin.core.slot import Backend
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend
-from ckpt_plugin.policy.plan import common_prefix, keep_limit
+from ckpt_plugin.core.memory import common_prefix
+from ckpt_plugin.policy.plan import keep_limit
+
+__all__ = ["PrefixSharing"]
 
 _RECHECK_SECONDS = 0.5
 """How often a waiting generation looks again without being woken (its client may have left)."""

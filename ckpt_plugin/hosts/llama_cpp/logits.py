@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+__all__ = ["EVERY_ROW", "LogitsNeeds", "NO_ROWS", "generation_needs", "max_keep"]
+
 
 @dataclass(frozen=True, slots=True)
 class LogitsNeeds:

@@ -30,6 +30,8 @@ from typing import Any, Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
+__all__ = ["CompletionTrace", "LogprobsRequest", "ROW_BLOCK", "stop_sequences", "top_indices"]
+
 Detokenize = Callable[..., bytes]
 """``Llama.detokenize(tokens, prev_tokens=None) -> bytes``."""
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import llama_cpp
 
+__all__ = ["entry_floor_bytes"]
+
 # Bytes per element of the KV cache types a context may use (llama.cpp's ggml types); a quantized type not listed
 # counts as half a byte, the smallest there is, so that the floor stays a lower bound.
 _TYPE_BYTES = {

@@ -50,6 +50,17 @@ from ckpt_plugin.core.request import current_request
 from ckpt_plugin.hosts.llama_cpp.compat import serialize_bitmap_creation
 from ckpt_plugin.hosts.llama_cpp.outside_writes import Watched, engine_writes
 
+__all__ = [
+    "MediaChunkDecode",
+    "MediaDecodeError",
+    "MediaFlow",
+    "MtmdRelay",
+    "install_relay",
+    "is_mtmd_handler",
+    "relay_for_view",
+    "remove_relay",
+]
+
 log = logging.getLogger("ckpt_plugin")
 
 _PROJECTOR_DIGESTS: dict[tuple[str, int, int], str] = {}

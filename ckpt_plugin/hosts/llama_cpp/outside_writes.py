@@ -35,6 +35,8 @@ import llama_cpp
 import llama_cpp.llama_cpp as llama_cpp_module
 import numpy as np
 
+__all__ = ["OUTSIDE_WRITES", "UNNAMED", "Watched", "engine_writes", "same_handle"]
+
 NOTHING_CHANGED = 1 << 62
 """What :meth:`Watched.take` returns when no outside write touched the sequence."""
 

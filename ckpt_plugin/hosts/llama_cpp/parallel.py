@@ -62,6 +62,8 @@ from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
 from ckpt_plugin.hosts.llama_cpp.slot_views import SlotLlama, view_of
 
+__all__ = ["ParallelLlama"]
+
 log = logging.getLogger("ckpt_plugin")
 
 

@@ -41,6 +41,8 @@ from ckpt_plugin.core.errors import PoolFullError, StateRestoreError
 from ckpt_plugin.core.request import current_request
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceContext
 
+__all__ = ["BatchScheduler", "DecodeLane", "at_next_step", "release_hold"]
+
 log = logging.getLogger("ckpt_plugin")
 
 _GENERATED_TOKENS = 8

@@ -19,7 +19,9 @@ from llama_cpp.llama import Llama
 from ckpt_plugin.core.errors import PoolFullError, StateRestoreError
 from ckpt_plugin.hosts.llama_cpp.multimodal import MediaDecodeError
 from ckpt_plugin.hosts.llama_cpp.context import state_flags, U8_P, writable_start, fingerprint_of, memory_kind
-from ckpt_plugin.policy.plan import MemoryKind
+from ckpt_plugin.core.memory import MemoryKind
+
+__all__ = ["SequenceBackend", "SequenceContext"]
 
 
 class SequenceContext:

@@ -18,7 +18,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ckpt_plugin.policy.plan import common_prefix
+from ckpt_plugin.core.memory import common_prefix
+
+__all__ = ["IdleSlot", "SlotLeases", "choose_slot"]
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ from typing import Any, Iterator
 
 import numpy as np
 from llama_cpp.llama import Llama
+from llama_cpp.llama_speculative import LlamaDraftModel
 
 from ckpt_plugin.core.checkpoint import Checkpoint, ExtraState
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.engine.slot_controller import SlotController
-from ckpt_plugin.hosts.llama_cpp.context import LlamaDraftModel
 from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler, DecodeLane
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
 from ckpt_plugin.hosts.llama_cpp.speculative import (
@@ -36,6 +36,8 @@ from ckpt_plugin.hosts.llama_cpp.speculative import (
     check_draft_pair,
 )
 from ckpt_plugin.plugins.hookspecs import hookimpl
+
+__all__ = ["DraftLength", "SlotDrafts"]
 
 
 class DraftSequence(SequenceBackend):

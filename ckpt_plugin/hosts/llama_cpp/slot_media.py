@@ -20,6 +20,8 @@ import contextlib
 import threading
 from typing import Iterator
 
+__all__ = ["MediaLease"]
+
 
 class MediaLease:
     """The slot lease a view's multimodal chat handler holds from its first evaluation until the completion's

@@ -30,6 +30,8 @@ from ckpt_plugin.hosts.llama_cpp.guarded_sampling import GuardedSampler, fill_ca
 from ckpt_plugin.hosts.llama_cpp.scheduler import release_hold
 from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
 
+__all__ = ["SlotLlama", "view_of"]
+
 _SAMPLE_SIGNATURE = inspect.signature(Llama.sample)
 _INIT_SAMPLER_SIGNATURE = inspect.signature(Llama._init_sampler)
 _SAMPLER_PARAMETERS = frozenset(_INIT_SAMPLER_SIGNATURE.parameters) - {"self"}

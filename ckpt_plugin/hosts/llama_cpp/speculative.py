@@ -24,15 +24,31 @@ import logging
 from typing import Any, Protocol, Sequence
 
 import numpy as np
+from llama_cpp.llama_speculative import LlamaDraftModel
 
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.checkpoint import DRAFT, SPECULATIVE, Checkpoint, ExtraState, StateBufferPool, allocate_state_buffer, freeze
 from ckpt_plugin.core.errors import IncompatibleStateError, UnsupportedHostError
 from ckpt_plugin.plugins.hookspecs import hookimpl, restored_extra
 from ckpt_plugin.hosts.llama_cpp.attach import attach
-from ckpt_plugin.hosts.llama_cpp.context import last_logits, LlamaDraftModel, vocab_digest
+from ckpt_plugin.hosts.llama_cpp.context import last_logits, vocab_digest
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.engine.slot_controller import SlotController
+
+__all__ = [
+    "DRAFT_ENGINE_SETTINGS",
+    "DraftModel",
+    "DraftStatePlugin",
+    "HEADER",
+    "KeptInStep",
+    "NgramDraft",
+    "NgramStatePlugin",
+    "accepted_prefix",
+    "check_draft_pair",
+    "draft_buffer",
+    "enable_speculative",
+    "parse_draft_header",
+]
 
 log = logging.getLogger("ckpt_plugin")
 

@@ -22,6 +22,8 @@ from typing import Any, Iterable
 from ckpt_plugin.tiers.shared.format import Partition
 from ckpt_plugin.tiers.shared.support import WRITE_TIMEOUT, Tally, redacted
 
+__all__ = ["SharedServer"]
+
 log = logging.getLogger("ckpt_plugin")
 
 SERVER = "server"

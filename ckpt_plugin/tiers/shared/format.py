@@ -47,9 +47,23 @@ except ImportError:  # pragma: no cover - the redis extra is missing: SharedTier
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.checkpoint import TARGET, Checkpoint, StateBuffer, as_state_buffer
 from ckpt_plugin.core.errors import CorruptFileError
-from ckpt_plugin.persist import FORMAT_VERSION, decode_entry, encode_entry
+from ckpt_plugin.persist.layout import FORMAT_VERSION
+from ckpt_plugin.persist.read import decode_entry
+from ckpt_plugin.persist.write import encode_entry
 from ckpt_plugin.policy.eviction import checkpoints_to_erase
-from ckpt_plugin.policy.plan import common_prefix
+from ckpt_plugin.core.memory import common_prefix
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "MAX_LOOKUP_BLOCKS",
+    "Manifest",
+    "Partition",
+    "blob_digest",
+    "check_blob",
+    "decode_manifest",
+    "encode_manifest",
+    "parse_entry_id",
+]
 
 WIRE_VERSION = (2, 0)
 """The manifest layout written: the persistence format's version (extra states as named blob references). Values of

@@ -19,6 +19,25 @@ from ckpt_plugin.core.checkpoint import StateBuffer
 from ckpt_plugin.tiers.shared.format import Manifest, Partition, blob_digest
 from ckpt_plugin.tiers.protocol import Tier
 
+__all__ = [
+    "DigestCache",
+    "FORGETS",
+    "FORGET_BATCH",
+    "FORGET_SCAN_COUNT",
+    "Lineage",
+    "MAX_CANDIDATES",
+    "RECENT",
+    "Reads",
+    "SharedCounters",
+    "TIER",
+    "Tally",
+    "WRITE_DELAY",
+    "WRITE_TIMEOUT",
+    "histogram_snapshot",
+    "latency_histogram",
+    "redacted",
+]
+
 log = logging.getLogger("ckpt_plugin")
 
 TIER = Tier.SHARED

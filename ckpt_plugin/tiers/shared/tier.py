@@ -37,7 +37,8 @@ import numpy as np
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.checkpoint import StateBuffer
 from ckpt_plugin.core.errors import CheckpointError, ConfigError
-from ckpt_plugin.policy.plan import Hit, MemoryKind, Reuse, best_reuse
+from ckpt_plugin.core.memory import MemoryKind
+from ckpt_plugin.policy.plan import Hit, Reuse, best_reuse
 from ckpt_plugin.tiers.protocol import Admission, Query
 from ckpt_plugin.tiers.shared.connection import SharedServer
 from ckpt_plugin.tiers.shared.format import (BLOCK_TOKENS, MAX_LOOKUP_BLOCKS, Manifest, Partition, check_blob,
@@ -46,6 +47,8 @@ from ckpt_plugin.tiers.shared.write_behind import Job, WriteBehind
 from ckpt_plugin.tiers.shared.support import (MAX_CANDIDATES, TIER, DigestCache, Lineage, Reads, SharedCounters,
                                               Tally, histogram_snapshot, latency_histogram)
 from ckpt_plugin.tiers.shared.writes import SharedWriter
+
+__all__ = ["SharedTier"]
 
 log = logging.getLogger("ckpt_plugin")
 

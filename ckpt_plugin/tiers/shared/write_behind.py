@@ -15,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+__all__ = ["Job", "WriteBehind"]
+
 log = logging.getLogger("ckpt_plugin")
 
 

@@ -20,6 +20,8 @@ from ckpt_plugin.tiers.shared.write_behind import Job, WriteBehind
 from ckpt_plugin.tiers.shared.support import (FORGETS, RECENT, FORGET_BATCH, FORGET_SCAN_COUNT, WRITE_DELAY,
                                               DigestCache, Lineage, Reads, Tally)
 
+__all__ = ["SharedWriter"]
+
 log = logging.getLogger("ckpt_plugin")
 
 
