@@ -34,12 +34,12 @@ from ckpt_plugin.policy.schedule import CheckpointRules, default_min_step
 from ckpt_plugin.tiers.shared.tier import SharedTier
 from ckpt_plugin.core.slot import Backend, Slot
 from ckpt_plugin.engine.slot_controller import SlotController
+from ckpt_plugin.engine.store_events import EngineStoreEvents
 from ckpt_plugin.services.slot_files import erase_slot, restore_slot, save_slot
 from ckpt_plugin.core.counters import Cleared, Counters
 from ckpt_plugin.services.stats import describe, manager_stats
 from ckpt_plugin.tiers.store import TieredStore
 from ckpt_plugin.tiers.registry import TIERS
-from ckpt_plugin.tiers.protocol import Tier
 
 __all__ = ["CheckpointManager"]
 
@@ -89,12 +89,14 @@ class CheckpointManager:
             cache = TIERS.ram(None, settings.cache_max_bytes, settings.cache_max_tokens)
         if disk is None and settings.disk_dir is not None:
             disk = TIERS.disk(settings.disk_dir, settings.disk_max_bytes)
-        self.store = TieredStore(cache, disk, self, shared or TIERS.shared(settings))
         self.counters = Counters()
         self.plugins = ProjectPlugins(PROJECT_NAME)
         self.plugins.add_hookspecs(hooks)
         self.plugins.register(DefaultPlugin(), name=DEFAULT_PLUGIN_NAME)
         self.hooks = EngineHooks(self.plugins, self)
+        # The store reports to the hooks and counters, never to the manager itself.
+        self.store = TieredStore(cache, disk, EngineStoreEvents(self.hooks, self.counters),
+                                 shared or TIERS.shared(settings))
         self.captures = Captures(self.kind, backend.fingerprint, self.store, self.counters, self.hooks)
         self._clearing = threading.Lock()  # one clear_cache at a time (see there)
         self.slots = [
@@ -124,24 +126,6 @@ class CheckpointManager:
     def disk(self) -> DiskTier | None:
         """The disk tier, if any."""
         return self.store.disk
-
-    # store events (see ckpt_plugin.tiers.store.StoreEvents)
-
-    def allow_admission(self, entry: CacheEntry, n_bytes: int) -> bool:
-        # A None from every plugin admits the entry.
-        return self.hooks.call(self.hooks.hook.on_cache_alloc, namespace=entry.namespace, n_tokens=entry.n_tokens,
-                               n_bytes=n_bytes) is not False
-
-    def select_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = Tier.RAM) -> Sequence[Any]:
-        return self.hooks.call(self.hooks.hook.select_cache_victims, entries=entries, n_bytes=n_bytes, tier=tier) or []
-
-    def evicted(self, entry: CacheEntry, reason: str) -> None:
-        if reason == "budget":
-            self.counters.add(cache_evictions=1)
-        self.hooks.call(self.hooks.hook.on_cache_evict, entry=entry, reason=reason)
-
-    def admitted(self, entry: CacheEntry) -> None:
-        self.counters.add(cache_saves=1)
 
     # ---------------------------------------------------------------------------------------------------------------
     # slot 0: the slot of an attached Llama

@@ -1,8 +1,8 @@
 """The prompt cache's tiers behind one interface: RAM in front of disk (and of a shared tier, when there is one).
 
 The store is where entries are found, admitted, promoted and evicted, and where their bytes are counted; the
-manager decides what to ask for (see :func:`ckpt_plugin.policy.plan.plan_prompt`) and the store's events tell it what
-happened. Several managers may share the tiers (one host cache object, several Llamas); each has its own store
+manager decides what to ask for (see :func:`ckpt_plugin.policy.plan.plan_prompt`) and the store's events tell the
+engine what happened. Several managers may share the tiers (one host cache object, several Llamas); each has its own store
 object over them, with its own events.
 """
 
@@ -28,7 +28,8 @@ __all__ = ["StoreEvents", "TieredStore"]
 
 
 class StoreEvents(Protocol):
-    """What the store asks of, and tells, the manager that owns it (the hooks and counters live there)."""
+    """What the store asks of, and tells, the engine that owns it: its hooks and counters
+    (:class:`~ckpt_plugin.engine.store_events.EngineStoreEvents`), never the manager itself."""
 
     def allow_admission(self, entry: CacheEntry, n_bytes: int) -> bool:
         """Whether ``entry`` may enter RAM, adding ``n_bytes`` to its entries (``on_cache_alloc``)."""
