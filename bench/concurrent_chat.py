@@ -40,7 +40,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import Report, gemma_path  # noqa: E402
-from ckpt_plugin.hosts.llama_cpp.chat_formats import TRANSCRIPT_FORMAT, TRANSCRIPT_STOP  # noqa: E402
+from ckpt_plugin.hosts.llama_cpp.serving.chat_formats import TRANSCRIPT_FORMAT, TRANSCRIPT_STOP  # noqa: E402
 from chat_servers import Config, start  # noqa: E402
 from chat_workload import ASSISTANT_REPLIES, USER_MESSAGES, system_prompt, token_counter  # noqa: E402
 

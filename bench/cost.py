@@ -36,7 +36,7 @@ from _common import GEMMA_VOCAB, Report, cli, emit, fmt_ratio, open_gemma, rando
 import ckpt_plugin  # noqa: E402
 from ckpt_plugin.testing.delay_proxy import delay_proxy  # noqa: E402
 from ckpt_plugin.tiers.ram import PromptCache  # noqa: E402
-from ckpt_plugin.hosts.llama_cpp.context import clear_memory  # noqa: E402
+from ckpt_plugin.hosts.llama_cpp.seam.context import clear_memory  # noqa: E402
 
 MARKDOWN_PATH = ROOT / "docs" / "bench-sections" / "70-plans-by-cost.md"
 COLD_TOKENS = 2000

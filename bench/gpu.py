@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _common import TINY_VOCAB, Report, fmt_ratio, random_tokens  # noqa: E402
 
 import ckpt_plugin  # noqa: E402
-from ckpt_plugin.hosts.llama_cpp.context import clear_memory  # noqa: E402
+from ckpt_plugin.hosts.llama_cpp.seam.context import clear_memory  # noqa: E402
 from ckpt_plugin.testing import assert_same_answer, fresh_greedy_tokens, greedy_tokens  # noqa: E402
 from ckpt_plugin.testing.tiny_models import MODEL_KINDS, build_tiny_model  # noqa: E402
 

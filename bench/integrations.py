@@ -35,7 +35,7 @@ from _common import Report, cli, emit, fmt_ms, fmt_ratio, gemma_path, ratio
 from pydantic import BaseModel
 
 import ckpt_plugin
-from ckpt_plugin.hosts.llama_cpp.attach import count_evaluated_tokens
+from ckpt_plugin.hosts.llama_cpp.serving.plain_llama import count_evaluated_tokens
 
 Message = tuple[str, str]
 LLAMA_OPTIONS: dict[str, Any] = dict(n_ctx=4096, n_batch=512, n_threads=2, seed=0, verbose=False)

@@ -44,7 +44,7 @@ def measure(layout: str, n_ctx: int) -> dict[str, Any]:
     """The resident memory after each step, in this process (run it in a fresh one)."""
     from llama_cpp import Llama
 
-    from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
+    from ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama import ParallelLlama
 
     steps = {"python": _rss_mib()}
     llama = Llama(str(gemma_path()), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=2, flash_attn=True,

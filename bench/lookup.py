@@ -35,7 +35,7 @@ from llama_cpp.llama_cache import LlamaRAMCache
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.tiers.ram import PromptCache
 from ckpt_plugin.core.checkpoint import Checkpoint, freeze
-from ckpt_plugin.hosts.llama_cpp.host_cache import HostPromptCache
+from ckpt_plugin.hosts.llama_cpp.attachment.host_cache import HostPromptCache
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.core.memory import common_prefix
 from ckpt_plugin.testing import FAKE_KINDS, FakeBackend

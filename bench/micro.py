@@ -48,7 +48,7 @@ from llama_cpp import Llama
 
 import ckpt_plugin
 from ckpt_plugin.core.checkpoint import StateBufferPool
-from ckpt_plugin.hosts.llama_cpp.context import writable_start
+from ckpt_plugin.hosts.llama_cpp.seam.context import writable_start
 from ckpt_plugin.core.buffers import SPARE_MAPPER
 
 PROMPT_TOKENS = 1500

@@ -41,7 +41,7 @@ def prompts(rng: np.random.Generator, n: int, n_prompt: int) -> list[list[int]]:
 def run_config(name: str, batch: list[list[int]], n_generate: int) -> dict[str, Any]:
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
+    from ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama import ParallelLlama
 
     target = open_gemma(n_ctx=2048, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4)
                         if name == "prompt lookup per slot" else None)

@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     rounds = args.rounds or (1 if args.quick else DEFAULT_ROUNDS)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle replicas must not spin on the 2 cores
-    from ckpt_plugin.hosts.llama_cpp.default_model import default_model_path
+    from ckpt_plugin.hosts.llama_cpp.serving.default_model import default_model_path
 
     model = str(default_model_path(progress=True))
     requests = conversation(args.users, args.turns, count=token_counter(model))

@@ -342,7 +342,7 @@ def main() -> None:
         plot(json.loads(args.replot.read_text()), args.plot)
         return
     if args.model is None:
-        from ckpt_plugin.hosts.llama_cpp.default_model import default_model_path
+        from ckpt_plugin.hosts.llama_cpp.serving.default_model import default_model_path
 
         args.model = str(default_model_path())
     budget = _parse(args.budget)

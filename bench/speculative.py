@@ -32,7 +32,7 @@ def session(rng: np.random.Generator, n_prompt: int) -> list[list[int]]:
 
 def run_config(name: str, prompts: list[list[int]]) -> dict[str, Any]:
     import ckpt_plugin
-    from ckpt_plugin.hosts.llama_cpp.speculative import enable_speculative
+    from ckpt_plugin.hosts.llama_cpp.speculative.drafts import enable_speculative
 
     target = open_gemma(n_ctx=2048, logits_all=name != "no speculation")
     manager = ckpt_plugin.attach(target, load_entrypoints=False)

@@ -74,7 +74,7 @@ def clients_round(projector: pathlib.Path, images: list[str],
     wall time of the round and the images the projector encoded."""
     import threading
 
-    from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
+    from ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama import ParallelLlama
 
     llama, manager = open_vision(projector, attached=not parallel)
     slots = ParallelLlama(llama, len(images), load_entrypoints=False) if parallel else None

@@ -49,22 +49,22 @@ __version__ = "0.1.0"
 
 
 _LAZY = {
-    "attach": "hosts.llama_cpp.attach",
-    "detach": "hosts.llama_cpp.attach",
-    "manager_of": "hosts.llama_cpp.attach",
-    "SharedLlamaState": "hosts.llama_cpp.host_cache",
-    "HostPromptCache": "hosts.llama_cpp.host_cache",
-    "SequenceContext": "hosts.llama_cpp.sequences",
-    "ParallelLlama": "hosts.llama_cpp.parallel",
-    "DraftModel": "hosts.llama_cpp.speculative",
-    "DraftStatePlugin": "hosts.llama_cpp.speculative",
-    "NgramDraft": "hosts.llama_cpp.speculative",
-    "NgramStatePlugin": "hosts.llama_cpp.speculative",
-    "enable_speculative": "hosts.llama_cpp.speculative",
+    "attach": "hosts.llama_cpp.attachment.attach",
+    "detach": "hosts.llama_cpp.attachment.attach",
+    "manager_of": "hosts.llama_cpp.attachment.attach",
+    "SharedLlamaState": "hosts.llama_cpp.attachment.host_cache",
+    "HostPromptCache": "hosts.llama_cpp.attachment.host_cache",
+    "SequenceContext": "hosts.llama_cpp.parallel.sequences",
+    "ParallelLlama": "hosts.llama_cpp.parallel.parallel_llama",
+    "DraftModel": "hosts.llama_cpp.speculative.drafts",
+    "DraftStatePlugin": "hosts.llama_cpp.speculative.drafts",
+    "NgramDraft": "hosts.llama_cpp.speculative.drafts",
+    "NgramStatePlugin": "hosts.llama_cpp.speculative.drafts",
+    "enable_speculative": "hosts.llama_cpp.speculative.drafts",
     "CheckpointMiddleware": "http.middleware",
-    "default_model_path": "hosts.llama_cpp.default_model",
-    "DEFAULT_CHAT_FORMAT": "hosts.llama_cpp.chat_formats",
-    "register_chat_formats": "hosts.llama_cpp.chat_formats",
+    "default_model_path": "hosts.llama_cpp.serving.default_model",
+    "DEFAULT_CHAT_FORMAT": "hosts.llama_cpp.serving.chat_formats",
+    "register_chat_formats": "hosts.llama_cpp.serving.chat_formats",
 }
 
 

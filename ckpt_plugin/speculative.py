@@ -1,7 +1,8 @@
-"""The import path earlier releases documented for speculative decoding with a draft model: :mod:`ckpt_plugin.hosts.llama_cpp.speculative`."""
+"""The import path earlier releases documented for speculative decoding with a draft model:
+:mod:`ckpt_plugin.hosts.llama_cpp.speculative.drafts`."""
 
-from ckpt_plugin.hosts.llama_cpp import speculative as _home
-from ckpt_plugin.hosts.llama_cpp.speculative import (
+from ckpt_plugin.hosts.llama_cpp.speculative import drafts as _home
+from ckpt_plugin.hosts.llama_cpp.speculative.drafts import (
     DRAFT_ENGINE_SETTINGS,
     DraftModel,
     DraftStatePlugin,

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m ckpt_plugin.hosts.llama_cpp.demo "$@"
+exec .venv/bin/python -m ckpt_plugin.hosts.llama_cpp.serving.demo "$@"

@@ -227,9 +227,11 @@ EXTRA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,47}")
 TARGET = "target"
 """The name of a checkpoint's target state (reserved: no extra state takes it)."""
 DRAFT = "draft"
-"""The extra state of a draft model's context (:class:`~ckpt_plugin.hosts.llama_cpp.speculative.DraftStatePlugin`)."""
+"""The extra state of a draft model's context
+(:class:`~ckpt_plugin.hosts.llama_cpp.speculative.drafts.DraftStatePlugin`)."""
 SPECULATIVE = "speculative"
-"""The extra state of a speculative decoder (:class:`~ckpt_plugin.hosts.llama_cpp.speculative.NgramStatePlugin`)."""
+"""The extra state of a speculative decoder
+(:class:`~ckpt_plugin.hosts.llama_cpp.speculative.drafts.NgramStatePlugin`)."""
 
 
 def check_extra_name(name: str) -> str:

@@ -19,8 +19,8 @@ refused and the child replaced; the sampling walk that follows ends by itself af
 model's vocabulary into the child (once per child and model) is not counted against a grammar.
 
 This check is no longer what keeps the server alive: the host's sampler is guarded where tokens are chosen
-(``ckpt_plugin.hosts.llama_cpp.guarded_sampling``), so a dead end that the walk misses ends its generation with a
-422 instead of aborting the process. The walk still answers most such grammars with a 422 before any token.
+(``ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling``), so a dead end that the walk misses ends its generation
+with a 422 instead of aborting the process. The walk still answers most such grammars with a 422 before any token.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _read(stream: IO[bytes]) -> Any:
 def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
     """The child's loop: compile what the parent sends, answer with the problem (or ``None``); or the vocabulary's
     size and longest token (in bytes) when no grammar is sent."""
-    from ckpt_plugin.hosts.llama_cpp.context import grammar_problem_in_worker, vocab_facts_in_worker
+    from ckpt_plugin.hosts.llama_cpp.seam.context import grammar_problem_in_worker, vocab_facts_in_worker
 
     while True:
         try:

@@ -193,7 +193,7 @@ NOISE = 0.02
 def greedy_tokens(llama: Any, prompt: list[int], n: int, gaps: list[float] | None = None) -> list[int]:
     """``n`` greedy tokens of ``llama`` (attached or not) for ``prompt``; with ``gaps``, the top-2 logit gap of
     each step."""
-    from ckpt_plugin.hosts.llama_cpp.context import last_logits
+    from ckpt_plugin.hosts.llama_cpp.seam.context import last_logits
 
     out: list[int] = []
     for token in llama.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
@@ -209,7 +209,7 @@ def greedy_tokens(llama: Any, prompt: list[int], n: int, gaps: list[float] | Non
 def fresh_greedy_tokens(reference: Any, prompt: list[int], n: int, gaps: list[float]) -> list[int]:
     """Greedy tokens of an unattached ``reference`` evaluated from an empty memory."""
     reference.reset()
-    from ckpt_plugin.hosts.llama_cpp.context import clear_memory
+    from ckpt_plugin.hosts.llama_cpp.seam.context import clear_memory
 
     clear_memory(reference)
     return greedy_tokens(reference, prompt, n, gaps)

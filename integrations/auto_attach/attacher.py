@@ -35,7 +35,7 @@ from ckpt_plugin import (
     attach,
     manager_of,
 )
-from ckpt_plugin.hosts.llama_cpp import compat as host_compat
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host_compat
 from ckpt_plugin.tiers.registry import TIERS
 
 from ckpt_plugin_integrations.auto_attach.llama_hook import enabled, wrap_llama_init

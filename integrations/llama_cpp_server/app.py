@@ -10,7 +10,7 @@ import anyio
 import llama_cpp.server.app as host
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-from ckpt_plugin.hosts.llama_cpp import compat as host_compat
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host_compat
 from ckpt_plugin.http.admission_queue import AdmissionQueue
 from ckpt_plugin.core.config import ServeSettings
 from ckpt_plugin.http.grammar_guard import GrammarGuard

@@ -12,8 +12,12 @@ from llama_cpp.server.settings import ModelSettings, ServerSettings
 
 from ckpt_plugin.core.config import ServeSettings
 from ckpt_plugin.core.errors import ConfigError
-from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT
-from ckpt_plugin.hosts.llama_cpp.default_model import default_model_location, default_model_path, is_default_model
+from ckpt_plugin.hosts.llama_cpp.serving.chat_formats import DEFAULT_CHAT_FORMAT
+from ckpt_plugin.hosts.llama_cpp.serving.default_model import (
+    default_model_location,
+    default_model_path,
+    is_default_model,
+)
 
 __all__ = ["embedded_model", "with_plugin_precedence", "with_serve_defaults", "with_serve_server_defaults"]
 
@@ -40,8 +44,8 @@ def with_serve_defaults(model: ModelSettings, embedded: bool = False) -> ModelSe
     off unless ``verbose`` is set.
 
     :param embedded: ``model`` is the embedded default, served because no model was named. Its GGUF has no chat
-        template, and it gets :data:`~ckpt_plugin.hosts.llama_cpp.chat_formats.DEFAULT_CHAT_FORMAT` unless a chat
-        format is named (docs/server.md, "First run and errors"), and so does the same file named by path
+        template, and it gets :data:`~ckpt_plugin.hosts.llama_cpp.serving.chat_formats.DEFAULT_CHAT_FORMAT` unless a
+        chat format is named (docs/server.md, "First run and errors"), and so does the same file named by path
         (``--model``, ``MODEL``, a config file), wherever it lies (recognised by its content): the start-up line names
         the built-in model either way, and the format it gets must not depend on how it was named.
     """

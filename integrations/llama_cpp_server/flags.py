@@ -16,7 +16,7 @@ from llama_cpp.server.cli import add_args_from_model
 from llama_cpp.server.settings import Settings
 
 from ckpt_plugin.core.config import ServeSettings
-from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT
+from ckpt_plugin.hosts.llama_cpp.serving.chat_formats import DEFAULT_CHAT_FORMAT
 
 from ckpt_plugin_integrations.cli_support import FlagParser
 from ckpt_plugin_integrations.settings_flags import add_settings_flags

@@ -28,7 +28,7 @@ from llama_cpp.server.types import (
 )
 from pydantic import BaseModel
 
-from ckpt_plugin.hosts.llama_cpp import compat as host_compat
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host_compat
 from ckpt_plugin.core.errors import UnsupportedHostError
 from ckpt_plugin.http.grammar_guard import GrammarGuard
 from ckpt_plugin.http.message_checks import check_media_readable, check_messages_given

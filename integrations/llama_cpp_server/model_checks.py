@@ -19,10 +19,10 @@ from typing import Callable
 import gguf
 from llama_cpp.server.settings import ModelSettings
 
-from ckpt_plugin.hosts.llama_cpp.default_model import is_default_model
+from ckpt_plugin.hosts.llama_cpp.serving.default_model import is_default_model
 from ckpt_plugin.core.errors import ConfigError
-from ckpt_plugin.hosts.llama_cpp.compat import SERVER_CHAT_FORMATS
-from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, TRANSCRIPT_FORMAT, known_chat_formats
+from ckpt_plugin.hosts.llama_cpp.seam.compat import SERVER_CHAT_FORMATS
+from ckpt_plugin.hosts.llama_cpp.serving.chat_formats import DEFAULT_CHAT_FORMAT, TRANSCRIPT_FORMAT, known_chat_formats
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -76,8 +76,9 @@ def _gguf_scalar_strings(path: str, mtime_ns: int, size: int) -> dict[str, str] 
 def templateless_models(models: list[ModelSettings]) -> list[str]:
     """One line for each model, as named (before ckpt-serve's defaults), whose chat format is a guess: its GGUF has
     no chat template and no chat format is named. The embedded model's file (wherever it lies) gets ckpt-serve's
-    :data:`~ckpt_plugin.hosts.llama_cpp.chat_formats.DEFAULT_CHAT_FORMAT`; any other, llama-cpp-python's fallback,
-    the llama-2 format, which models of other families answer with nonsense. Each line says how to choose one."""
+    :data:`~ckpt_plugin.hosts.llama_cpp.serving.chat_formats.DEFAULT_CHAT_FORMAT`; any other, llama-cpp-python's
+    fallback, the llama-2 format, which models of other families answer with nonsense. Each line says how to choose
+    one."""
     lines = []
     for model in models:
         if model.chat_format is not None or model.hf_model_repo_id is not None:

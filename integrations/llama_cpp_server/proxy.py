@@ -10,12 +10,12 @@ import llama_cpp
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings
 
-from ckpt_plugin.hosts.llama_cpp import compat as host_compat
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host_compat
 from ckpt_plugin import CheckpointManager, CheckpointSettings, PromptCache, attach
-from ckpt_plugin.hosts.llama_cpp.attach import open_llama
-from ckpt_plugin.hosts.llama_cpp.model_sizes import entry_floor_bytes
-from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
-from ckpt_plugin.hosts.llama_cpp.speculative import enable_speculative
+from ckpt_plugin.hosts.llama_cpp.serving.plain_llama import open_llama
+from ckpt_plugin.hosts.llama_cpp.serving.model_sizes import entry_floor_bytes
+from ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama import ParallelLlama
+from ckpt_plugin.hosts.llama_cpp.speculative.drafts import enable_speculative
 from ckpt_plugin.core.config import ServeSettings
 from ckpt_plugin.tiers.disk import DiskTier
 from ckpt_plugin.tiers.registry import TIERS
@@ -52,9 +52,9 @@ class CheckpointLlamaProxy(LlamaProxy):
     before the server closes a model, and the entries stay valid for the reloaded model (same fingerprint), so
     switching back is warm.
 
-    With ``settings.parallel`` > 1 the model is served by :class:`~ckpt_plugin.hosts.llama_cpp.parallel.ParallelLlama`
-    (N slots, batched): each call returns a per-request view of the model, bound to a slot when its generation
-    starts.
+    With ``settings.parallel`` > 1 the model is served by
+    :class:`~ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama.ParallelLlama` (N slots, batched): each call returns a
+    per-request view of the model, bound to a slot when its generation starts.
 
     :param models: The server's model settings.
     :param settings: Checkpoint settings applied to every model.

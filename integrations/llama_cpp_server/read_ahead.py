@@ -27,7 +27,7 @@ import anyio
 import sniffio
 from starlette.concurrency import iterate_in_threadpool
 
-from ckpt_plugin.hosts.llama_cpp.scheduler import at_next_step
+from ckpt_plugin.hosts.llama_cpp.parallel.submissions import at_next_step
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ from llama_cpp.server.settings import ModelSettings
 from ckpt_plugin.core.config import ServeSettings
 from ckpt_plugin.core.errors import ConfigError
 from ckpt_plugin.plugins.default import DEFAULT_PLUGIN_NAME
-from ckpt_plugin.hosts.llama_cpp.default_model import is_default_model
+from ckpt_plugin.hosts.llama_cpp.serving.default_model import is_default_model
 from ckpt_plugin.services.stats import plugin_names
 
 from ckpt_plugin_integrations.llama_cpp_server.model_checks import gguf_strings
@@ -84,7 +84,8 @@ def check_budgets(managers: dict[str, Any], floors: dict[str, int], source: str)
     """Refuse a state budget that cannot hold one prompt-cache entry of a loaded model: every entry would be refused
     and nothing reused. A budget of 0 is taken as reuse turned off on purpose.
 
-    :param floors: The least bytes of one entry by model (:func:`~ckpt_plugin.hosts.llama_cpp.model_sizes.entry_floor_bytes`).
+    :param floors: The least bytes of one entry by model
+        (:func:`~ckpt_plugin.hosts.llama_cpp.serving.model_sizes.entry_floor_bytes`).
     :param source: The flag, variable or config key that set the budget.
     :raises ConfigError: Naming ``source``, the budget and what one entry needs.
     """

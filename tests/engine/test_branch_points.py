@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ckpt_plugin
-from ckpt_plugin.hosts.llama_cpp.context import clear_memory
+from ckpt_plugin.hosts.llama_cpp.seam.context import clear_memory
 
 rng = np.random.default_rng(21)
 SYSTEM = [1, *rng.integers(3, 300, 149).tolist()]  # 150 tokens, not on the 32-token checkpoint grid

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ckpt_plugin import CheckpointManager
-from ckpt_plugin.hosts.llama_cpp.sequences import SequenceContext
+from ckpt_plugin.hosts.llama_cpp.parallel.sequences import SequenceContext
 
 KINDS = ["llama", "gemma3", "mamba", "hybrid"]
 # Logits of one prompt differ by the order llama.cpp accumulates in, which depends on where the other sequence's

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ckpt_plugin
-from ckpt_plugin.hosts.llama_cpp.context import clear_memory
+from ckpt_plugin.hosts.llama_cpp.seam.context import clear_memory
 
 KINDS = ["llama", "gemma3", "mamba", "hybrid"]
 TOLERANCE = 1e-3
@@ -146,7 +146,7 @@ def test_a_stopping_criterion_reads_the_latest_logits(make_llama: Any) -> None:
     first prompt position's row: an off-by-one the plugin does not copy, see docs/server.md)."""
     from llama_cpp import StoppingCriteriaList
 
-    from ckpt_plugin.hosts.llama_cpp.context import last_logits
+    from ckpt_plugin.hosts.llama_cpp.seam.context import last_logits
 
     llama = make_llama("llama", logits_all=True)
     reference = make_llama("llama", logits_all=True)
@@ -173,7 +173,7 @@ def test_a_stopping_criterion_reads_the_latest_logits_with_logprobs_or_a_draft(m
     from llama_cpp import StoppingCriteriaList
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    from ckpt_plugin.hosts.llama_cpp.context import last_logits
+    from ckpt_plugin.hosts.llama_cpp.seam.context import last_logits
 
     extra = {"draft_model": LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=4)} if reader == "draft" else {}
     llama = make_llama("llama", logits_all=True, **extra)

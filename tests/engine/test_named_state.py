@@ -292,7 +292,7 @@ def holds_mytool(record: Checkpoint, tokens: np.ndarray) -> bool:
 def test_a_plugins_extra_state_round_trips_through_ram_disk_and_the_shared_tier(
     make_llama: Callable[..., Any], redis_server: RedisServer, tmp_path: Path, kind: str
 ) -> None:
-    from ckpt_plugin.hosts.llama_cpp.sequences import SequenceContext
+    from ckpt_plugin.hosts.llama_cpp.parallel.sequences import SequenceContext
 
     llama = make_llama(kind)
     rng = np.random.default_rng(3)

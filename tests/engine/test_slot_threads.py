@@ -17,7 +17,7 @@ from ckpt_plugin import CheckpointManager
 from ckpt_plugin.core.checkpoint import Checkpoint
 from ckpt_plugin.core.counters import Counters
 from ckpt_plugin.plugins.hookspecs import hookimpl
-from ckpt_plugin.hosts.llama_cpp.sequences import SequenceContext
+from ckpt_plugin.hosts.llama_cpp.parallel.sequences import SequenceContext
 from ckpt_plugin.testing import fake_manager
 
 # As in test_engine_slots: logits of one prompt differ by where the other sequences' cells sit in the shared cache.

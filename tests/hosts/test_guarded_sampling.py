@@ -16,9 +16,9 @@ import pytest
 
 import ckpt_plugin
 from ckpt_plugin.core.request import RequestScope, current_request
-from ckpt_plugin.hosts.llama_cpp import compat as host
-from ckpt_plugin.hosts.llama_cpp.guarded_sampling import end_of_generation_ids
-from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host
+from ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling import end_of_generation_ids
+from ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama import ParallelLlama
 
 KINDS = ["llama", "gemma3", "mamba", "hybrid"]
 DEAD_END = 'root ::= "ab ab ab ab" [z-a]'  # an inverted range: nothing matches after the literal
@@ -138,7 +138,7 @@ def test_window_penalties_equal_llama_cpps_sampler(settings: tuple[int, float, f
     import llama_cpp
     from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
 
-    from ckpt_plugin.hosts.llama_cpp.guarded_sampling import WindowPenalties, fill_candidates
+    from ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling import WindowPenalties, fill_candidates
 
     n_vocab, (last_n, repeat, frequency, presence) = 500, settings
     ours = WindowPenalties(last_n, repeat, frequency, presence)

@@ -1,4 +1,4 @@
-"""Logprobs computed vectorized (``ckpt_plugin/host_logprobs.py``) equal llama-cpp-python's own, value for value.
+"""Logprobs computed vectorized (``attachment/host_logprobs.py``) equal llama-cpp-python's own, value for value.
 
 The attached ``Llama`` runs the host's completion without logprobs and fills them in; the reference is the host's own
 per-token loop, either on an attached ``Llama`` driven the way the attachment drove it before (the same rows, so the
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import ckpt_plugin
-from ckpt_plugin.hosts.llama_cpp.logprobs import ROW_BLOCK, stop_sequences, top_indices
+from ckpt_plugin.hosts.llama_cpp.attachment.logprobs import ROW_BLOCK, stop_sequences, top_indices
 
 KINDS = ["llama", "gemma3", "mamba"]
 BOS_ID, EOS_ID = 1, 2

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
+from ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama import ParallelLlama
 from ckpt_plugin.core.memory import common_prefix
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]

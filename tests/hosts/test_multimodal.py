@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from llama_cpp.llama_chat_format import Llava15ChatHandler
 
 import ckpt_plugin
-from ckpt_plugin.hosts.llama_cpp.multimodal import MtmdRelay
+from ckpt_plugin.hosts.llama_cpp.attachment.multimodal import MtmdRelay
 from ckpt_plugin.testing.tiny_models import image_data_uri, tiny_png, write_tiny_mmproj
 
 from support.servers import model_args, run_server

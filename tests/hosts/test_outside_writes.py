@@ -19,8 +19,8 @@ import pytest
 
 import ckpt_plugin
 from ckpt_plugin.core.errors import OpaqueMemoryError
-from ckpt_plugin.hosts.llama_cpp.context import last_logits
-from ckpt_plugin.hosts.llama_cpp.host_cache import host_only_known
+from ckpt_plugin.hosts.llama_cpp.seam.context import last_logits
+from ckpt_plugin.hosts.llama_cpp.attachment.host_cache import host_only_known
 
 KINDS = ["llama", "gemma3"]
 ALL_KINDS = ["llama", "gemma3", "mamba", "hybrid"]  # attention, sliding window, recurrent, hybrid

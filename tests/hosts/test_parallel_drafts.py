@@ -13,9 +13,9 @@ import pytest
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from ckpt_plugin.core.errors import UnsupportedHostError
-from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
-from ckpt_plugin.hosts.llama_cpp.slot_drafts import DraftLength
-from ckpt_plugin.hosts.llama_cpp.speculative import NgramDraft
+from ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama import ParallelLlama
+from ckpt_plugin.hosts.llama_cpp.parallel.slot_drafts import DraftLength
+from ckpt_plugin.hosts.llama_cpp.speculative.drafts import NgramDraft
 
 from test_parallel_slots import prompts
 

@@ -16,7 +16,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from ckpt_plugin.core.errors import UnsupportedHostError
 from ckpt_plugin.core.media import is_media
-from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
+from ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama import ParallelLlama
 from test_multimodal import MAX_TOKENS, reply, user
 
 
@@ -166,7 +166,7 @@ def test_a_media_lease_is_released_once_and_never_under_an_evaluation() -> None:
     no evaluation starts after it; a lease the generation took over is the generation's to release."""
     import contextlib
 
-    from ckpt_plugin.hosts.llama_cpp.slot_media import MediaLease
+    from ckpt_plugin.hosts.llama_cpp.parallel.slot_media import MediaLease
 
     released: list[int] = []
 

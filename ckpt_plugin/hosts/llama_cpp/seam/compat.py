@@ -6,8 +6,8 @@ proxy's current model). Nothing else in ckpt_plugin reads or writes them, so a n
 checked here and only here.
 
 Checked against llama-cpp-python 0.3.36 (``attach`` refuses versions outside
-:data:`ckpt_plugin.hosts.llama_cpp.attach.TESTED_VERSIONS`). This module imports nothing from ``llama_cpp``: it takes the
-host's objects as arguments.
+:data:`ckpt_plugin.hosts.llama_cpp.attachment.attach.TESTED_VERSIONS`). This module imports nothing from ``llama_cpp``:
+it takes the host's objects as arguments.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A short demonstration on the default model: a branching conversation with and without checkpoints.
 
-Run with ``python -m ckpt_plugin.hosts.llama_cpp.demo``. It prints, per request, the time and the prompt tokens evaluated by a
-plain ``llama_cpp.Llama`` and by one with :func:`ckpt_plugin.attach`, on Gemma-3-270M with its sliding window
-(``swa_full=False``), where llama-cpp-python alone cannot reuse a prefix after an edit.
+Run with ``python -m ckpt_plugin.hosts.llama_cpp.serving.demo``. It prints, per request, the time and the prompt tokens
+evaluated by a plain ``llama_cpp.Llama`` and by one with :func:`ckpt_plugin.attach`, on Gemma-3-270M with its sliding
+window (``swa_full=False``), where llama-cpp-python alone cannot reuse a prefix after an edit.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ckpt_plugin.hosts.llama_cpp.default_model import default_model_path
-from ckpt_plugin.hosts.llama_cpp.attach import attach, count_evaluated_tokens, open_llama
+from ckpt_plugin.hosts.llama_cpp.serving.default_model import default_model_path
+from ckpt_plugin.hosts.llama_cpp.attachment.attach import attach
+from ckpt_plugin.hosts.llama_cpp.serving.plain_llama import count_evaluated_tokens, open_llama
 
 __all__ = ["main"]
 

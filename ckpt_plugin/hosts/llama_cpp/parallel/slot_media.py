@@ -2,11 +2,11 @@
 
 llama-cpp-python's MTMD chat handlers evaluate a request's prompt (text chunks with ``Llama.eval``, media chunks
 with libmtmd) before they start the completion whose generation leases a slot
-(:mod:`ckpt_plugin.hosts.llama_cpp.parallel`). On a parallel slot's view, the handler's relay
-(:mod:`ckpt_plugin.hosts.llama_cpp.multimodal`) arms the view's media flow when the handler tokenizes the prompt;
-the first evaluation of that flow then leases a slot for the request, chosen for the whole prompt (its media positions
-included: a follow-up about an image goes to the slot holding the image, if idle), and the flow is evaluated there.
-The completion's generation takes that lease over instead of leasing another slot, and releases it when it ends.
+(:mod:`ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama`). On a parallel slot's view, the handler's relay
+(:mod:`ckpt_plugin.hosts.llama_cpp.attachment.multimodal`) arms the view's media flow when the handler tokenizes the
+prompt; the first evaluation of that flow then leases a slot for the request, chosen for the whole prompt (its media
+positions included: a follow-up about an image goes to the slot holding the image, if idle), and the flow is evaluated
+there. The completion's generation takes that lease over instead of leasing another slot, and releases it when it ends.
 
 :class:`MediaLease` keeps that lease between the handler's evaluations and the generation, and makes sure it is
 released whatever happens in between: the generation took it over, the handler failed, or the request's view was

@@ -5,8 +5,8 @@ A :class:`SlotLlama` is a shallow copy of the host's ``Llama`` (same model, toke
 with its own evaluation bookkeeping (``input_ids``, ``n_tokens``, ``scores``, seed, sampler) and, instead of the
 host's context, a :class:`SequenceHandle`: the memory operations the host's code makes (``kv_cache_seq_rm(-1, ...)``
 on "every" sequence, ``reset`` of a recurrent memory) act on the view's own sequence only. Evaluation goes through
-the engine slot the view is bound to (:mod:`ckpt_plugin.hosts.llama_cpp.parallel`), and sampling reads that slot's
-logits rows instead of llama.cpp's output buffer, which the next batched step overwrites.
+the engine slot the view is bound to (:mod:`ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama`), and sampling reads
+that slot's logits rows instead of llama.cpp's output buffer, which the next batched step overwrites.
 
 Everything else (chat templates, tools, grammars, stop strings, logprobs, streaming) is the host's code, unchanged.
 """
@@ -25,10 +25,10 @@ import numpy as np
 from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
 from llama_cpp.llama import Llama
 
-from ckpt_plugin.hosts.llama_cpp import compat as host
-from ckpt_plugin.hosts.llama_cpp.guarded_sampling import GuardedSampler, fill_candidates
-from ckpt_plugin.hosts.llama_cpp.scheduler import release_hold
-from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host
+from ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling import GuardedSampler, fill_candidates
+from ckpt_plugin.hosts.llama_cpp.parallel.submissions import release_hold
+from ckpt_plugin.hosts.llama_cpp.parallel.sequences import SequenceBackend, SequenceContext
 
 __all__ = ["SlotLlama", "view_of"]
 
@@ -135,7 +135,8 @@ class SlotLlama(Llama):
     def _init_sampler(self, *args: Any, **kwargs: Any) -> LlamaSampler:
         """The host's sampler chain without its logits-processor sampler, and how to sample a row with it
         (:class:`RowSampling`, kept for :meth:`sample`). The view's attachment guards the chain it returns
-        (:class:`~ckpt_plugin.hosts.llama_cpp.guarded_sampling.GuardedSampler`) where the request needs it."""
+        (:class:`~ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling.GuardedSampler`) where the request needs
+        it."""
         bound = _INIT_SAMPLER_SIGNATURE.bind(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)

@@ -17,8 +17,8 @@ import numpy as np
 from llama_cpp.llama import Llama
 
 from ckpt_plugin.core.errors import PoolFullError, StateRestoreError
-from ckpt_plugin.hosts.llama_cpp.multimodal import MediaDecodeError
-from ckpt_plugin.hosts.llama_cpp.context import state_flags, U8_P, writable_start, fingerprint_of, memory_kind
+from ckpt_plugin.hosts.llama_cpp.attachment.multimodal import MediaDecodeError
+from ckpt_plugin.hosts.llama_cpp.seam.context import state_flags, U8_P, writable_start, fingerprint_of, memory_kind
 from ckpt_plugin.core.memory import MemoryKind
 
 __all__ = ["SequenceBackend", "SequenceContext"]
@@ -256,7 +256,7 @@ class SequenceBackend:
     def decode_media(self, into: Callable[[Any, int, int], int], n_past: int) -> int:
         """Evaluate one media chunk into this sequence at positions ``n_past...`` with libmtmd: ``into(ctx, seq_id,
         n_past)`` encodes the chunk and decodes its embeddings there, and returns the position after it
-        (:class:`~ckpt_plugin.hosts.llama_cpp.multimodal.MediaChunkDecode`); return that position.
+        (:class:`~ckpt_plugin.hosts.llama_cpp.attachment.multimodal.MediaChunkDecode`); return that position.
 
         The context is held throughout, its encoding included: no batched step runs meanwhile (libmtmd decodes with a
         batch of its own, may switch the context to non-causal attention for the chunk, and leaves the context's

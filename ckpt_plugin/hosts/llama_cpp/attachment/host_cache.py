@@ -10,7 +10,7 @@ import numpy as np
 from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache, LlamaDiskCache
 
-from ckpt_plugin.hosts.llama_cpp import compat as host
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.tiers.ram import PromptCache
 from ckpt_plugin.core.checkpoint import freeze

@@ -1,12 +1,12 @@
-"""A draft model for every slot of a :class:`~ckpt_plugin.hosts.llama_cpp.parallel.ParallelLlama`.
+"""A draft model for every slot of a :class:`~ckpt_plugin.hosts.llama_cpp.parallel.parallel_llama.ParallelLlama`.
 
 One draft context over the draft model's weights holds a sequence per slot, as the target context does
-(:class:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceContext`). Its steps are a lane of the target's
-:class:`~ckpt_plugin.hosts.llama_cpp.scheduler.BatchScheduler`: one loop drafts for every speculating slot in one batch
-per drafting step (each slot's drafting runs whole in the scheduler's thread), then verifies every slot's drafts in
-one target step, and the two contexts never compute at once. Each draft sequence is kept in step with its slot's
-tokens by an engine of its own (only new tokens are evaluated; rejected drafts are cut off), and its state rides in
-every checkpoint and cache entry of the target slot (the named extra state ``draft``, :class:`SlotDraftStates`), so
+(:class:`~ckpt_plugin.hosts.llama_cpp.parallel.sequences.SequenceContext`). Its steps are a lane of the target's
+:class:`~ckpt_plugin.hosts.llama_cpp.parallel.scheduler.BatchScheduler`: one loop drafts for every speculating slot in
+one batch per drafting step (each slot's drafting runs whole in the scheduler's thread), then verifies every slot's
+drafts in one target step, and the two contexts never compute at once. Each draft sequence is kept in step with its
+slot's tokens by an engine of its own (only new tokens are evaluated; rejected drafts are cut off), and its state rides
+in every checkpoint and cache entry of the target slot (the named extra state ``draft``, :class:`SlotDraftStates`), so
 that after a restore the draft evaluates only the tokens past it, whichever slot the state is restored into.
 
 How many tokens a slot drafts adapts to how many of its drafts the target keeps (:class:`DraftLength`), as llama.cpp's
@@ -27,9 +27,10 @@ from ckpt_plugin.core.checkpoint import Checkpoint, ExtraState
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.engine.slot_controller import SlotController
-from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler, DecodeLane
-from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
-from ckpt_plugin.hosts.llama_cpp.speculative import (
+from ckpt_plugin.hosts.llama_cpp.parallel.lanes import DecodeLane
+from ckpt_plugin.hosts.llama_cpp.parallel.scheduler import BatchScheduler
+from ckpt_plugin.hosts.llama_cpp.parallel.sequences import SequenceBackend, SequenceContext
+from ckpt_plugin.hosts.llama_cpp.speculative.drafts import (
     DRAFT_ENGINE_SETTINGS,
     DraftStatePlugin,
     accepted_prefix,

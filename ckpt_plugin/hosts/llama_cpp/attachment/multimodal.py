@@ -47,8 +47,8 @@ import numpy as np
 from ckpt_plugin.core.errors import UnsupportedHostError
 from ckpt_plugin.core.media import media_digest, media_start, media_token_ids
 from ckpt_plugin.core.request import current_request
-from ckpt_plugin.hosts.llama_cpp.compat import serialize_bitmap_creation
-from ckpt_plugin.hosts.llama_cpp.outside_writes import Watched, engine_writes
+from ckpt_plugin.hosts.llama_cpp.seam.compat import serialize_bitmap_creation
+from ckpt_plugin.hosts.llama_cpp.attachment.outside_writes import Watched, engine_writes
 
 __all__ = [
     "MediaChunkDecode",
@@ -405,7 +405,7 @@ def relay_for_view(handler: Any, host: MediaHost) -> Any:
 
     The handler object is shared by every view of the ``Llama`` (and every request thread); the relay is per
     request, so each view gets a shallow copy: the same libmtmd context (loaded once, freed with the ``Llama``: see
-    :func:`~ckpt_plugin.hosts.llama_cpp.compat.init_mtmd_context`), its own relay.
+    :func:`~ckpt_plugin.hosts.llama_cpp.seam.compat.init_mtmd_context`), its own relay.
     """
     if not is_mtmd_handler(handler):
         return handler

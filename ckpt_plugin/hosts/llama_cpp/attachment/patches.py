@@ -1,6 +1,8 @@
-"""Attaching an engine to one ``llama_cpp.Llama``: the patched methods, attach and detach.
+"""The patches installed on one ``llama_cpp.Llama`` (:class:`Attachment`), which
+:mod:`~ckpt_plugin.hosts.llama_cpp.attachment.attach` installs and removes.
 
-:func:`attach` patches seven methods on one ``llama_cpp.Llama`` instance (never the class):
+:func:`~ckpt_plugin.hosts.llama_cpp.attachment.attach.attach` patches seven methods on one ``llama_cpp.Llama``
+instance (never the class):
 
 - ``generate``: before the host's own prefix matching runs, the manager restores the best state for the prompt
   (live memory, checkpoint or prompt-cache entry) and sets the host's ``n_tokens`` to what the memory holds, so the
@@ -11,10 +13,10 @@
   full-state capture and the slot's checkpoints instead of copying the state and the logits array;
 - ``set_cache``: installs :class:`HostPromptCache`, a ``BaseLlamaCache`` view of the manager's prefix-indexed cache;
 - ``_init_sampler``: a request's sampler chain with a grammar, or a request asking for ``ignore_eos``, becomes a
-  :class:`~ckpt_plugin.hosts.llama_cpp.guarded_sampling.GuardedSampler`: a grammar that matches nothing where the
-  generation went ends it with :class:`~ckpt_plugin.core.errors.GrammarDeadEnd` instead of aborting the process;
+  :class:`~ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling.GuardedSampler`: a grammar that matches nothing where
+  the generation went ends it with :class:`~ckpt_plugin.core.errors.GrammarDeadEnd` instead of aborting the process;
 - ``_create_completion``: notes whether the request reads logprobs (and of the prompt, with ``echo``), so that
-  evaluation computes and keeps only the logits someone reads (:mod:`ckpt_plugin.hosts.llama_cpp.logits`).
+  evaluation computes and keeps only the logits someone reads (:mod:`ckpt_plugin.hosts.llama_cpp.attachment.logits`).
 """
 
 from __future__ import annotations
@@ -28,35 +30,28 @@ import numpy as np
 from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache
 
-from ckpt_plugin.hosts.llama_cpp import compat as host
-from ckpt_plugin.tiers.ram import PromptCache
-from ckpt_plugin.core.config import CheckpointSettings
-from ckpt_plugin.tiers.disk import DiskTier
-from ckpt_plugin.core.errors import GrammarDeadEnd, OpaqueMemoryError, UnsupportedHostError
-from ckpt_plugin.core.memory import common_prefix
-from ckpt_plugin.hosts.llama_cpp.host_logprobs import completion_with_host_logprobs
-from ckpt_plugin.hosts.llama_cpp.logprobs import LogprobsRequest, stop_sequences
-from ckpt_plugin.hosts.llama_cpp.logits import generation_needs
-from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.core.errors import GrammarDeadEnd, OpaqueMemoryError
 from ckpt_plugin.core.request import Refused, RequestInterrupted, current_request
+from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.engine.slot_controller import SlotController
-from ckpt_plugin.hosts.llama_cpp.backend import HostRows, LlamaBackend
-from ckpt_plugin.hosts.llama_cpp.context import version_tuple
-from ckpt_plugin.hosts.llama_cpp.guarded_sampling import WindowPenalties, end_of_generation_ids, guard
-from ckpt_plugin.hosts.llama_cpp.host_cache import (
+from ckpt_plugin.hosts.llama_cpp.attachment.backend import HostRows
+from ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling import WindowPenalties, end_of_generation_ids, guard
+from ckpt_plugin.hosts.llama_cpp.attachment.host_cache import (
     HostPromptCache,
     SharedLlamaState,
     host_only_known,
     mark_host_only,
     tiers_for_host_cache,
 )
-from ckpt_plugin.hosts.llama_cpp.multimodal import MediaChunkDecode, MediaFlow, install_relay, remove_relay
-from ckpt_plugin.hosts.llama_cpp.outside_writes import UNNAMED, Watched, same_handle
+from ckpt_plugin.hosts.llama_cpp.attachment.host_logprobs import completion_with_host_logprobs
+from ckpt_plugin.hosts.llama_cpp.attachment.logits import generation_needs
+from ckpt_plugin.hosts.llama_cpp.attachment.logprobs import LogprobsRequest, stop_sequences
+from ckpt_plugin.hosts.llama_cpp.attachment.multimodal import MediaChunkDecode, MediaFlow, install_relay, remove_relay
+from ckpt_plugin.hosts.llama_cpp.attachment.outside_prompts import serve_outside_writes
+from ckpt_plugin.hosts.llama_cpp.attachment.outside_writes import same_handle
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host
 
-__all__ = ["Attachment", "TESTED_VERSIONS", "attach", "count_evaluated_tokens", "detach", "manager_of", "open_llama"]
-
-TESTED_VERSIONS = ((0, 3, 36), (0, 4, 0))
-"""llama-cpp-python versions attach accepts: from the first (inclusive) to the second (exclusive)."""
+__all__ = ["Attachment", "attachment_of"]
 
 _INIT_SAMPLER_SIGNATURE = inspect.signature(Llama._init_sampler)
 _PATCHED = ("eval", "generate", "save_state", "load_state", "set_cache", "_init_sampler", host.COMPLETION_METHOD)
@@ -194,64 +189,6 @@ class Attachment:
         self.opaque_since = None
         return False
 
-    def _serve_outside_writes(self, prompt: np.ndarray) -> int | None:
-        """Serve a generation of ``prompt`` (with the host's reset) while the memory holds positions written from
-        outside by the host code about to complete them; return how many prompt tokens the host skips (it evaluates
-        the others after the memory's end, without its reset), or ``None`` when the engine serves the prompt.
-
-        The host alone, given exactly the tokens it holds, samples from the context's logits; otherwise it keeps
-        what its record shares with the prompt and evaluates from there, or, where the memory cannot drop its last
-        positions (recurrent, hybrid), empties it and evaluates its record again, stale ids in place of embeddings
-        included. Here nothing is evaluated at positions whose content the ids do not name:
-
-        - the prompt is what the memory holds (by the host's record) and the context holds the logits of its last
-          position: sampled from them, nothing evaluated (0);
-        - the prompt continues what the memory holds: only the tokens after it are evaluated (the memory's length);
-        - the prompt reuses only positions whose token ids are known (the engine's own record, the ids decoded there
-          from outside): the host's record is the truth there; it is recorded, the rest dropped, and the prompt is
-          served like any other, evaluated in full where the memory cannot be cut (``None``);
-        - an attention memory, which can drop positions: the host keeps the prefix its record shares with the prompt
-          (embeddings included) and evaluates the rest, provided none of it is an embedding's position (0);
-        - otherwise: refused, :class:`~ckpt_plugin.core.errors.OpaqueMemoryError`.
-        """
-        watched = getattr(self.backend, "watched", None)
-        if watched is None:
-            return 0  # nothing tells what the positions hold: as the host alone
-        llama, controller = self.llama, self.controller
-        n_host, memory_end = int(llama.n_tokens), int(self.backend.pos_max()) + 1
-        n = min(n_host, memory_end)
-        record = np.asarray(llama.input_ids[:n], dtype=np.int64)
-        common = common_prefix(record, prompt)
-        if n_host == memory_end == common:
-            if len(prompt) == common and watched.logits_end == memory_end:
-                host.set_logits_current(llama, True)
-                return 0
-            if len(prompt) > common:
-                return common
-        reuse = min(common, len(prompt) - 1)  # the host evaluates at least the last prompt token
-        truth = self._record_truth(record, watched)
-        named = int(np.argmin(truth == 1)) if not bool((truth == 1).all()) else n
-        if reuse <= named:
-            slot = controller.slot
-            if named > slot.n_tokens:
-                controller.memory.append(record[slot.n_tokens : named].astype(np.int32))
-            return None
-        if (not controller.kind.recurrent and controller.memory.window_serves(reuse)
-                and not bool((truth[:reuse] < 0).any()) and (reuse == common or truth[reuse] == 1)):
-            llama.n_tokens = n
-            host.set_logits_current(llama, False)
-            return 0
-        raise OpaqueMemoryError(
-            "the prompt names positions written outside the engine (embeddings or a direct decode) by the host's "
-            "record of them, and serving it would evaluate those ids in place of what the memory holds there")
-
-    def _record_truth(self, record: np.ndarray, watched: Watched) -> np.ndarray:
-        """Per position of the host's ``record``: 1 where the memory holds that token, 0 where what it holds is
-        unknown (embeddings, a copy, a write not seen), -1 where it holds another token."""
-        slot = self.controller.slot
-        k = min(slot.n_tokens, len(record))
-        held = np.concatenate((slot.tokens[:k].astype(np.int64), watched.names(k, len(record))))
-        return np.where(held == record, 1, np.where(held == UNNAMED, 0, -1))
 
     def _continuation(self, tokens: list[int], args: tuple, kwargs: dict) -> tuple[list[int], tuple, dict]:
         """The host's ``generate`` arguments to evaluate ``tokens`` after what it holds (without its reset)."""
@@ -302,8 +239,8 @@ class Attachment:
     def init_sampler(self, *args: Any, **kwargs: Any) -> Any:
         """The host's sampler chain, guarded where the request has a grammar or asks for ``ignore_eos``, and with
         the request's repetition penalties applied by
-        :class:`~ckpt_plugin.hosts.llama_cpp.guarded_sampling.WindowPenalties` instead of the chain's own sampler
-        (:func:`~ckpt_plugin.hosts.llama_cpp.guarded_sampling.guard`)."""
+        :class:`~ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling.WindowPenalties` instead of the chain's own
+        sampler (:func:`~ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling.guard`)."""
         bound = _INIT_SAMPLER_SIGNATURE.bind(self.llama, *args, **kwargs)
         bound.apply_defaults()
         arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
@@ -322,7 +259,8 @@ class Attachment:
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """The host's ``_create_completion``, noting the logits the request reads; a request for logprobs runs the
-        host without them and gets them from :mod:`ckpt_plugin.hosts.llama_cpp.logprobs` (the same values, vectorized)."""
+        host without them and gets them from :mod:`ckpt_plugin.hosts.llama_cpp.attachment.logprobs` (the same values,
+        vectorized)."""
         bound = self._completion_signature.bind(self.llama, *args, **kwargs)
         logprobs = bound.arguments.get("logprobs")
         reads = (logprobs is not None, bool(bound.arguments.get("echo", False)))
@@ -343,7 +281,8 @@ class Attachment:
         self, completion: Iterator[Any], reads: tuple[bool, bool], logprobs: LogprobsRequest | None = None
     ) -> Iterator[Any]:
         """Iterate the host's ``completion`` for a request reading ``reads`` (``(logprobs, echo)``); with
-        ``logprobs``, the host runs without them and they are filled in (:func:`~ckpt_plugin.hosts.llama_cpp.host_logprobs.completion_with_host_logprobs`)."""
+        ``logprobs``, the host runs without them and they are filled in
+        (:func:`~ckpt_plugin.hosts.llama_cpp.attachment.host_logprobs.completion_with_host_logprobs`)."""
         # The host's body runs on the first next(): it calls generate() within this very call, which takes the reads
         # (so the rows are kept even though the host itself is not asked for logprobs).
         self.pending_reads = reads
@@ -432,7 +371,8 @@ class Attachment:
         skip: int | None = None
         if self._stands_aside():
             try:
-                skip = self._serve_outside_writes(prompt) if reset and tokens else 0
+                skip = (serve_outside_writes(self.llama, self.controller, self.backend, prompt)
+                        if reset and tokens else 0)
             except OpaqueMemoryError:
                 self.generations += 1  # refused: the positions serve no later generation either
                 raise
@@ -479,77 +419,6 @@ class Attachment:
         self.llama.cache = HostPromptCache(self.manager, self.llama)
 
 
-def open_llama(model_path: str, **kwargs: Any) -> Llama:
-    """Create a ``llama_cpp.Llama`` (``verbose=False`` unless given), for hosts built on this package."""
-    kwargs.setdefault("verbose", False)
-    return Llama(model_path=model_path, **kwargs)
-
-
-def count_evaluated_tokens(llama: Llama) -> Callable[[], int]:
-    """Count the tokens an unattached ``llama`` evaluates (wraps its ``eval``); return a reader of the count."""
-    evaluated = [0]
-    inner = llama.eval
-
-    def counting_eval(tokens: Sequence[int]) -> None:
-        evaluated[0] += len(tokens)
-        inner(tokens)
-
-    llama.eval = counting_eval
-    return lambda: evaluated[0]
-
-
-def attach(
-    llama: Llama,
-    settings: CheckpointSettings | None = None,
-    *,
-    cache: PromptCache | None = None,
-    disk: DiskTier | None = None,
-    **overrides: Any,
-) -> CheckpointManager:
-    """Give ``llama`` shared checkpoints and a prefix-indexed prompt cache; return its manager.
-
-    :param llama: A ``llama_cpp.Llama`` created by the host.
-    :param settings: :class:`~ckpt_plugin.core.config.CheckpointSettings`; keyword arguments override fields.
-    :param cache: A :class:`~ckpt_plugin.tiers.ram.PromptCache` shared with other managers of the same model.
-    :param disk: A :class:`~ckpt_plugin.tiers.disk.DiskTier` shared likewise.
-    :raises UnsupportedHostError: ``llama`` is not a ``Llama``, is already attached, serves embeddings, has no
-        context (``vocab_only=True``, or closed), or llama-cpp-python is outside the tested versions; nothing is
-        patched then.
-    """
-    if not isinstance(llama, Llama):
-        raise UnsupportedHostError(f"attach() needs a llama_cpp.Llama, got {type(llama).__name__}")
-    version = version_tuple(getattr(llama_cpp, "__version__", "0"))
-    low, high = TESTED_VERSIONS
-    if not (low <= version < high):
-        raise UnsupportedHostError(
-            f"llama-cpp-python {llama_cpp.__version__} is outside the tested range "
-            f"{'.'.join(map(str, low))} to {'.'.join(map(str, high))} (exclusive)"
-        )
-    if getattr(llama, _MANAGER_ATTR, None) is not None:
-        raise UnsupportedHostError("this Llama is already attached; detach() it first")
-    if llama.context_params.embeddings:
-        raise UnsupportedHostError("embedding contexts have no generation state to checkpoint")
-    if not host.has_context(llama) or llama_cpp.llama_get_memory(llama.ctx) is None:
-        raise UnsupportedHostError("this Llama has no context memory (vocab_only, closed, or created without one)")
-    backend = LlamaBackend(llama)
-    manager = CheckpointManager(backend, settings, cache=cache, disk=disk, **overrides)
-    attachment = Attachment(llama, manager, backend, manager.slots[0])
-    attachment.install()
-    manager.hooks.call(manager.hooks.hook.on_attach)
-    return manager
-
-
-def detach(llama: Llama) -> CheckpointManager:
-    """Undo :func:`attach`: restore ``llama``'s own methods and cache; return the (closed) manager."""
-    attachment = getattr(llama, _MANAGER_ATTR, None)
-    if attachment is None:
-        raise UnsupportedHostError("this Llama is not attached")
-    attachment.uninstall()
-    attachment.manager.close()
-    return attachment.manager
-
-
-def manager_of(llama: Llama) -> CheckpointManager | None:
-    """The manager attached to ``llama``, or ``None``."""
-    attachment = getattr(llama, _MANAGER_ATTR, None)
-    return attachment.manager if attachment is not None else None
+def attachment_of(llama: Llama) -> Attachment | None:
+    """The attachment installed on ``llama``, or ``None``."""
+    return getattr(llama, _MANAGER_ATTR, None)

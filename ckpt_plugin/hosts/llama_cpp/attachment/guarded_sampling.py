@@ -40,7 +40,7 @@ import numpy as np
 from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
 
 from ckpt_plugin.core.errors import GrammarDeadEnd
-from ckpt_plugin.hosts.llama_cpp.context import end_of_generation_mask
+from ckpt_plugin.hosts.llama_cpp.seam.context import end_of_generation_mask
 
 __all__ = ["GuardedSampler", "WindowPenalties", "end_of_generation_ids", "fill_candidates", "guard"]
 

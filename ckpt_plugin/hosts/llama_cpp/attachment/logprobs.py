@@ -3,8 +3,9 @@
 llama-cpp-python 0.3.36 builds completion logprobs in ``Llama._create_completion`` with a Python loop per token that
 sorts the whole vocabulary (``sorted(zip(logprobs_row, range(n_vocab)), reverse=True)``), and for a non-streamed
 response first takes ``Llama.logits_to_logprobs`` of every row of the ``n_ctx x n_vocab`` array: on Gemma-3's
-262,144-word vocabulary about a quarter of a second per token. :mod:`ckpt_plugin.hosts.llama_cpp.attach` runs the host's
-completion with ``logprobs=None`` (no per-token work) and fills in the logprobs from here:
+262,144-word vocabulary about a quarter of a second per token. The attachment
+(:mod:`ckpt_plugin.hosts.llama_cpp.attachment.patches`) runs the host's completion with ``logprobs=None`` (no
+per-token work) and fills in the logprobs from here:
 
 - :func:`top_indices`: the ``k`` first entries of that sort, by ``np.partition`` over one row and a sort of the few
   candidates, in the same order (descending value, ties broken by the larger index first);

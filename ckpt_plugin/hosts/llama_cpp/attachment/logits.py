@@ -15,7 +15,7 @@ llama.cpp). What a request really reads:
   the generated positions;
 - a draft model's verification: llama.cpp's logits of every position of a generated batch, no ``scores`` rows.
 
-Pure: positions in, decisions out; :mod:`ckpt_plugin.hosts.llama_cpp.backend` applies them.
+Pure: positions in, decisions out; :mod:`ckpt_plugin.hosts.llama_cpp.attachment.backend` applies them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A logprobs request served by the host without logprobs, with the logprobs it would have computed filled in
-(:class:`~ckpt_plugin.hosts.llama_cpp.logprobs.CompletionTrace` computes them, vectorized)."""
+(:class:`~ckpt_plugin.hosts.llama_cpp.attachment.logprobs.CompletionTrace` computes them, vectorized)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Iterator, Sequence
 import llama_cpp
 from llama_cpp.llama import Llama
 
-from ckpt_plugin.hosts.llama_cpp.logprobs import CompletionTrace, LogprobsRequest
+from ckpt_plugin.hosts.llama_cpp.attachment.logprobs import CompletionTrace, LogprobsRequest
 
 __all__ = ["completion_with_host_logprobs"]
 
@@ -18,8 +18,8 @@ def completion_with_host_logprobs(llama: Llama, completion: Iterator[Any], reque
 
     The host's ``completion`` runs with ``logprobs=None``. Its ``generate`` call is watched (a wrapper installed
     on the instance for its first ``next()`` only, the call in which the host calls ``generate``) by a
-    :class:`~ckpt_plugin.hosts.llama_cpp.logprobs.CompletionTrace`, which learns the prompt and completion tokens.
-    Non-streamed: the single response gets ``logprobs`` computed from the rows after the generation, where the
+    :class:`~ckpt_plugin.hosts.llama_cpp.attachment.logprobs.CompletionTrace`, which learns the prompt and completion
+    tokens. Non-streamed: the single response gets ``logprobs`` computed from the rows after the generation, where the
     host computes them. Streamed: without logprobs the host groups tokens into chunks differently, so its chunks
     are dropped and the trace's replay of the logprobs loop (one chunk per token, computed as each token arrived)
     is yielded in their place, then its tail, then the host's final chunk.

@@ -1,5 +1,5 @@
 """Sequence 0 of a ``llama_cpp.Llama`` context as an engine slot's :class:`~ckpt_plugin.core.slot.Backend`, and the host's
-logits rows it keeps for the generations that read them (:mod:`ckpt_plugin.hosts.llama_cpp.logits`)."""
+logits rows it keeps for the generations that read them (:mod:`ckpt_plugin.hosts.llama_cpp.attachment.logits`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama import Llama, LlamaState
 
-from ckpt_plugin.hosts.llama_cpp import compat as host
-from ckpt_plugin.hosts.llama_cpp.logits import EVERY_ROW, NO_ROWS, LogitsNeeds, max_keep
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host
+from ckpt_plugin.hosts.llama_cpp.attachment.logits import EVERY_ROW, NO_ROWS, LogitsNeeds, max_keep
 from ckpt_plugin.core.memory import common_prefix
 from ckpt_plugin.core.request import RequestInterrupted, current_request
-from ckpt_plugin.hosts.llama_cpp.context import state_flags, U8_P, writable_start, fingerprint, memory_kind
-from ckpt_plugin.hosts.llama_cpp.outside_writes import OUTSIDE_WRITES, engine_writes
+from ckpt_plugin.hosts.llama_cpp.seam.context import state_flags, U8_P, writable_start, fingerprint, memory_kind
+from ckpt_plugin.hosts.llama_cpp.attachment.outside_writes import OUTSIDE_WRITES, engine_writes
 
 __all__ = ["HostRows", "LlamaBackend"]
 
@@ -22,10 +22,11 @@ __all__ = ["HostRows", "LlamaBackend"]
 class HostRows:
     """A ``Llama``'s evaluation bookkeeping: ``input_ids``, ``n_tokens`` and the ``scores`` rows a generation reads.
 
-    Evaluation computes only the logits the current generation reads (``needs``, see :mod:`ckpt_plugin.hosts.llama_cpp.logits`) and
-    keeps the host's ``scores`` array small unless a generation reads its rows: the ``n_ctx x n_vocab`` array a
-    ``logits_all=True`` host allocates (4.3 GB of address space for Gemma-3 at n_ctx 4096) is released on attach
-    and allocated again only for a request that reads prompt or completion logprobs.
+    Evaluation computes only the logits the current generation reads (``needs``, see
+    :mod:`ckpt_plugin.hosts.llama_cpp.attachment.logits`) and keeps the host's ``scores`` array small unless a
+    generation reads its rows: the ``n_ctx x n_vocab`` array a ``logits_all=True`` host allocates (4.3 GB of address
+    space for Gemma-3 at n_ctx 4096) is released on attach and allocated again only for a request that reads prompt
+    or completion logprobs.
 
     Subclasses evaluate a chunk (:meth:`_decode_chunk`) and drop positions (:meth:`_forget_after`) on their sequence.
     """

@@ -2,27 +2,28 @@
 
 :class:`ParallelLlama` builds, for a host's ``Llama``:
 
-- a :class:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceContext` with N sequences, each in a KV stream of its
-  own of ``n_ctx`` cells (llama.cpp's server's layout with ``--parallel``): every slot holds a whole ``n_ctx``
+- a :class:`~ckpt_plugin.hosts.llama_cpp.parallel.sequences.SequenceContext` with N sequences, each in a KV stream of
+  its own of ``n_ctx`` cells (llama.cpp's server's layout with ``--parallel``): every slot holds a whole ``n_ctx``
   conversation (a request that fits one slot fits any, as with one), and a token attends over its own slot's cells
   only; or, with ``unified=True``, one pool of ``n_ctx`` cells the slots share, where a slot takes a prefix another
-  live slot holds without evaluating it (:mod:`ckpt_plugin.hosts.llama_cpp.kv_sharing`);
-- a :class:`~ckpt_plugin.hosts.llama_cpp.scheduler.BatchScheduler` decoding every busy slot's tokens together;
+  live slot holds without evaluating it (:mod:`ckpt_plugin.hosts.llama_cpp.parallel.kv_sharing`);
+- a :class:`~ckpt_plugin.hosts.llama_cpp.parallel.scheduler.BatchScheduler` decoding every busy slot's tokens together;
 - one engine (:class:`~ckpt_plugin.engine.manager.CheckpointManager`) with one slot per sequence: checkpoints and cache
   entries are shared by reference between the slots and the tiers, so a conversation that moves to another slot
   restores from them;
-- :meth:`ParallelLlama.view`: per request, a :class:`~ckpt_plugin.hosts.llama_cpp.slot_views.SlotLlama` on which the
-  host runs its own completion and chat code. The view is bound to a slot when its generation starts, the point
-  where the prompt's tokens are known: the idle slot sharing the longest prefix with them
-  (:mod:`ckpt_plugin.hosts.llama_cpp.slot_choice`), leased until the generation ends. A multimodal chat handler
+- :meth:`ParallelLlama.view`: per request, a :class:`~ckpt_plugin.hosts.llama_cpp.parallel.slot_views.SlotLlama` on
+  which the host runs its own completion and chat code. The view is bound to a slot when its generation starts, the
+  point where the prompt's tokens are known: the idle slot sharing the longest prefix with them
+  (:mod:`ckpt_plugin.hosts.llama_cpp.parallel.slot_choice`), leased until the generation ends. A multimodal chat handler
   (llava-1-5, mtmd, ...), which evaluates its prompt before the completion, leases the slot at its first evaluation
   instead: its text and media chunks go to that slot (an image decoded into the slot's sequence, keyed by its
-  content as with one slot), and the generation takes the lease over (:mod:`ckpt_plugin.hosts.llama_cpp.slot_media`).
+  content as with one slot), and the generation takes the lease over
+  (:mod:`ckpt_plugin.hosts.llama_cpp.parallel.slot_media`).
 
 Speculative decoding: with a draft model (``draft=``), a draft context of N sequences whose drafting steps run in the
 target scheduler's loop, every speculating slot's drafts in one batch per step, its state stored with the slot's
 checkpoints
-(:mod:`ckpt_plugin.hosts.llama_cpp.slot_drafts`); llama-cpp-python's prompt lookup decoding
+(:mod:`ckpt_plugin.hosts.llama_cpp.parallel.slot_drafts`); llama-cpp-python's prompt lookup decoding
 (``LlamaPromptLookupDecoding`` as the host's ``draft_model``) gets an instance per slot.
 """
 
@@ -47,20 +48,20 @@ from ckpt_plugin.tiers.disk import DiskTier
 from ckpt_plugin.core.errors import PoolFullError, UnsupportedHostError
 from ckpt_plugin.core.request import current_request
 from ckpt_plugin.engine.manager import CheckpointManager
-from ckpt_plugin.hosts.llama_cpp.slot_choice import SlotLeases
-from ckpt_plugin.hosts.llama_cpp.kv_sharing import PrefixSharing
+from ckpt_plugin.hosts.llama_cpp.parallel.slot_choice import SlotLeases
+from ckpt_plugin.hosts.llama_cpp.parallel.kv_sharing import PrefixSharing
 from ckpt_plugin.policy.plan import shares_cells
-from ckpt_plugin.hosts.llama_cpp.slot_drafts import SlotDrafts
-from ckpt_plugin.hosts.llama_cpp.attach import Attachment
-from ckpt_plugin.hosts.llama_cpp.backend import HostRows
-from ckpt_plugin.hosts.llama_cpp.logits import NO_ROWS
-from ckpt_plugin.hosts.llama_cpp import compat as host
-from ckpt_plugin.hosts.llama_cpp.multimodal import MediaChunkDecode, is_mtmd_handler, relay_for_view
-from ckpt_plugin.hosts.llama_cpp.outside_writes import same_handle
-from ckpt_plugin.hosts.llama_cpp.slot_media import MediaLease
-from ckpt_plugin.hosts.llama_cpp.scheduler import BatchScheduler
-from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend, SequenceContext
-from ckpt_plugin.hosts.llama_cpp.slot_views import SlotLlama, view_of
+from ckpt_plugin.hosts.llama_cpp.parallel.slot_drafts import SlotDrafts
+from ckpt_plugin.hosts.llama_cpp.attachment.patches import Attachment
+from ckpt_plugin.hosts.llama_cpp.attachment.backend import HostRows
+from ckpt_plugin.hosts.llama_cpp.attachment.logits import NO_ROWS
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host
+from ckpt_plugin.hosts.llama_cpp.attachment.multimodal import MediaChunkDecode, is_mtmd_handler, relay_for_view
+from ckpt_plugin.hosts.llama_cpp.attachment.outside_writes import same_handle
+from ckpt_plugin.hosts.llama_cpp.parallel.slot_media import MediaLease
+from ckpt_plugin.hosts.llama_cpp.parallel.scheduler import BatchScheduler
+from ckpt_plugin.hosts.llama_cpp.parallel.sequences import SequenceBackend, SequenceContext
+from ckpt_plugin.hosts.llama_cpp.parallel.slot_views import SlotLlama, view_of
 
 __all__ = ["ParallelLlama"]
 
@@ -124,7 +125,7 @@ class SlotAttachment(Attachment):
 
     A multimodal chat handler evaluates its prompt before the completion starts: its first evaluation leases the
     slot (for the whole prompt, media positions included), the handler's text and media chunks are evaluated there,
-    and the completion's generation takes that lease over (:mod:`ckpt_plugin.hosts.llama_cpp.slot_media`).
+    and the completion's generation takes that lease over (:mod:`ckpt_plugin.hosts.llama_cpp.parallel.slot_media`).
     """
 
     def __init__(self, view: SlotLlama, parallel: ParallelLlama) -> None:
@@ -313,7 +314,7 @@ class ParallelLlama:
     :param unified: One pool of ``n_ctx`` cells for all the slots (llama.cpp's ``kv_unified``, llama-server's
         ``--kv-unified``), each slot able to grow to the whole context, instead of a stream of ``n_ctx`` cells per
         slot; with plain attention, a prompt sharing a prefix with another slot's live memory takes over its cells
-        (:mod:`ckpt_plugin.hosts.llama_cpp.kv_sharing`), and a prefix in flight is evaluated once.
+        (:mod:`ckpt_plugin.hosts.llama_cpp.parallel.kv_sharing`), and a prefix in flight is evaluated once.
     :ivar manager: The engine, one slot per sequence.
     :ivar leases: Which slot each generation holds.
     :ivar drafts: The slots' draft models (``None`` without ``draft``).

@@ -30,8 +30,8 @@ from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.checkpoint import DRAFT, SPECULATIVE, Checkpoint, ExtraState, StateBufferPool, allocate_state_buffer, freeze
 from ckpt_plugin.core.errors import IncompatibleStateError, UnsupportedHostError
 from ckpt_plugin.plugins.hookspecs import hookimpl, restored_extra
-from ckpt_plugin.hosts.llama_cpp.attach import attach
-from ckpt_plugin.hosts.llama_cpp.context import last_logits, vocab_digest
+from ckpt_plugin.hosts.llama_cpp.attachment.attach import attach
+from ckpt_plugin.hosts.llama_cpp.seam.context import last_logits, vocab_digest
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.engine.slot_controller import SlotController
 

@@ -9,7 +9,7 @@ from typing import Any
 from llama_cpp import llama_chat_format as formats
 from llama_cpp.llama_chat_format import ChatFormatterResponse, Jinja2ChatFormatter
 
-from ckpt_plugin.hosts.llama_cpp import compat as host
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host
 
 __all__ = [
     "DEFAULT_CHAT_FORMAT",
@@ -172,7 +172,8 @@ def register_chat_formats() -> None:
 
 def known_chat_formats() -> set[str]:
     """The chat format names ``llama_cpp.server`` accepts: llama-cpp-python's registry (``_chat_handlers``, a
-    private attribute) and the handlers its server builds by name (:data:`~ckpt_plugin.hosts.llama_cpp.compat.SERVER_CHAT_FORMATS`).
+    private attribute) and the handlers its server builds by name
+    (:data:`~ckpt_plugin.hosts.llama_cpp.seam.compat.SERVER_CHAT_FORMATS`).
     """
     register_chat_formats()
     return set(formats.LlamaChatCompletionHandlerRegistry()._chat_handlers) | set(host.SERVER_CHAT_FORMATS)

@@ -3,7 +3,7 @@
 In a unified cache every sequence's cells are in one pool, and ``llama_memory_seq_cp`` adds a sequence to cells
 another holds: the cells are then shared, neither copied nor evaluated again. :class:`PrefixSharing` offers each
 slot's planner the live memories of the other slots (their published tokens, see
-:attr:`~ckpt_plugin.hosts.llama_cpp.sequences.SequenceBackend.published`) as
+:attr:`~ckpt_plugin.hosts.llama_cpp.parallel.sequences.SequenceBackend.published`) as
 :class:`~ckpt_plugin.engine.slot_memory.CellSource` candidates: sixteen conversations with one long system prompt
 hold it once per pool instead of once per slot.
 
@@ -32,7 +32,7 @@ from ckpt_plugin.core.checkpoint import Checkpoint
 from ckpt_plugin.core.counters import Counters
 from ckpt_plugin.core.request import current_request
 from ckpt_plugin.core.slot import Backend
-from ckpt_plugin.hosts.llama_cpp.sequences import SequenceBackend
+from ckpt_plugin.hosts.llama_cpp.parallel.sequences import SequenceBackend
 from ckpt_plugin.core.memory import common_prefix
 from ckpt_plugin.policy.plan import keep_limit
 
