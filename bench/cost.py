@@ -153,7 +153,7 @@ def far(report: Report, rounds: int) -> None:
 
             def reset() -> None:
                 manager.store.clear()
-                manager.clear_slot()
+                manager.primary.clear_slot()
                 llama.reset()
                 gc.collect()
 
@@ -166,12 +166,12 @@ def far(report: Report, rounds: int) -> None:
             reset()
             manager.store.shared = None
             complete(llama, base[:1000])
-            local = manager.save()
+            local = manager.primary.save()
             manager.store.shared = tier
 
             requests: dict[str, tuple[Callable[[], None], list[int]]] = {
                 "short suffix: the live memory holds 1,000 of 1,068 tokens, the tier 1,064":
-                    (lambda: manager.load(local), base[:1064] + random_tokens(rng, 4, GEMMA_VOCAB)),
+                    (lambda: manager.primary.load(local), base[:1064] + random_tokens(rng, 4, GEMMA_VOCAB)),
                 "long prefix: only the tier holds 1,500 of 1,504 tokens":
                     (lambda: None, base + random_tokens(rng, 4, GEMMA_VOCAB)),
                 "short prefix: only the tier holds 64 of 264 tokens":

@@ -151,7 +151,7 @@ def open_context() -> Context:
     llama = open_gemma()
     manager = ckpt_plugin.attach(llama, load_entrypoints=False)
     llama.eval(random_prompt(np.random.default_rng(0), PROMPT_TOKENS, GEMMA_VOCAB, llama.token_bos()))
-    backend = manager.backend
+    backend = manager.primary.backend
     return Context(llama, manager, backend.state_size(True), backend.state_size(False))
 
 
@@ -163,12 +163,12 @@ def drop_reused_capture(manager: ckpt_plugin.CheckpointManager) -> None:
 def save_changed(manager: ckpt_plugin.CheckpointManager) -> ckpt_plugin.CacheEntry:
     """``manager.save()`` as on a changed slot."""
     drop_reused_capture(manager)
-    return manager.save()
+    return manager.primary.save()
 
 
 def forced_save(manager: ckpt_plugin.CheckpointManager) -> Case:
     """``manager.save()`` as on a changed slot, the reused capture dropped before the call (untimed)."""
-    return Case(setup=lambda: drop_reused_capture(manager), run=lambda _: manager.save())
+    return Case(setup=lambda: drop_reused_capture(manager), run=lambda _: manager.primary.save())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -177,8 +177,8 @@ def forced_save(manager: ckpt_plugin.CheckpointManager) -> Case:
 
 def fill_to_limit(manager: ckpt_plugin.CheckpointManager, kept: collections.deque, ctx: Any, n_bytes: int) -> None:
     """Bring the slot (and the raw mirror ``kept``) to the checkpoint limit, so that every new one frees one."""
-    while len(manager.slot.checkpoints) < manager.settings.max_checkpoints:
-        manager.checkpoint()
+    while len(manager.primary.slot.checkpoints) < manager.settings.max_checkpoints:
+        manager.primary.checkpoint()
     while len(kept) < (kept.maxlen or 0):
         kept.append(_get_into_fresh(ctx, n_bytes, True))
     # The spares mapped while the slot grew are populated at idle priority on the other core; let them finish,
@@ -200,11 +200,11 @@ def measure_capture(c: Context, other: Llama, repeats: int) -> dict[str, Samples
     decode = one_token_decoder(other)
     raw_after_decode = raw_get(c.ctx, warm_buffer(c.partial_bytes), True)
     cases: dict[str, Case | Callable[[], object]] = {
-        "manager.checkpoint() (partial)": m.checkpoint,
+        "manager.checkpoint() (partial)": m.primary.checkpoint,
         "raw get partial, preallocated buffer": raw_get(c.ctx, warm_buffer(c.partial_bytes), True),
         ROTATING: raw_get_fresh(c.ctx, c.partial_bytes, True, kept_partial),
         POOLED: pooled,
-        CREATE_AFTER_DECODE: Case(setup=decode, run=lambda _: m.checkpoint()),
+        CREATE_AFTER_DECODE: Case(setup=decode, run=lambda _: m.primary.checkpoint()),
         RAW_AFTER_DECODE: Case(setup=decode, run=lambda _: raw_after_decode()),
         "llama_state_seq_get_size_ext (partial)": lambda: llama_cpp.llama_state_seq_get_size_ext(
             c.ctx, 0, state_flags(True)
@@ -219,15 +219,15 @@ def measure_capture(c: Context, other: Llama, repeats: int) -> dict[str, Samples
 
 def measure_restore(c: Context, repeats: int) -> dict[str, Samples]:
     m = c.manager
-    checkpoint = m.checkpoint()
-    entry = m.save()
+    checkpoint = m.primary.checkpoint()
+    entry = m.primary.save()
     assert checkpoint is not None
     for check in (raw_set(c.ctx, checkpoint.target, True), raw_set(c.ctx, entry.state.target, False)):
         assert check() > 0, "llama.cpp refused a state it just produced"
     cases: dict[str, Case | Callable[[], object]] = {
         "memory.restore(checkpoint) (partial)": lambda: m.slots[0].memory.restore(checkpoint),
         "raw set partial, same buffer": raw_set(c.ctx, checkpoint.target, True),
-        "manager.load(entry) (full)": lambda: m.load(entry),
+        "manager.load(entry) (full)": lambda: m.primary.load(entry),
         "memory.restore(entry.state) (full)": lambda: m.slots[0].memory.restore(entry.state),
         "raw set full, same buffer": raw_set(c.ctx, entry.state.target, False),
     }
@@ -237,7 +237,7 @@ def measure_restore(c: Context, repeats: int) -> dict[str, Samples]:
 def measure_host_state(c: Context, repeats: int) -> dict[str, Samples]:
     """llama-cpp-python's own save_state/load_state (the unpatched class methods: what an unattached Llama runs)."""
     m, held = c.manager, {}
-    entry = m.save()
+    entry = m.primary.save()
 
     def drop_state() -> None:
         held.clear()
@@ -247,7 +247,7 @@ def measure_host_state(c: Context, repeats: int) -> dict[str, Samples]:
         "Llama.save_state()": Case(setup=drop_state, run=lambda _: held.update(state=Llama.save_state(c.llama))),
         "Llama.load_state(state)": lambda: Llama.load_state(c.llama, held["state"]),
         "manager.save() (changed slot)": forced_save(m),
-        "manager.load(entry)": lambda: m.load(entry),
+        "manager.load(entry)": lambda: m.primary.load(entry),
     }
     samples = measure(cases, repeats, warmup=0)
     drop_state()
@@ -276,8 +276,8 @@ def probe(operation: str, state_bytes: int, fn: Callable[[], object],
 
 def measure_memory(c: Context) -> list[MemoryRow]:
     m = c.manager
-    checkpoint = m.checkpoint()
-    entry = m.save()
+    checkpoint = m.primary.checkpoint()
+    entry = m.primary.save()
     assert checkpoint is not None
     counters = m.counters
 
@@ -294,12 +294,12 @@ def measure_memory(c: Context) -> list[MemoryRow]:
         return fn, lambda written: int(written)  # type: ignore[arg-type]
 
     ops: list[tuple[str, int, tuple[Callable[[], object], Callable[[object], int | None]]]] = [
-        ("manager.checkpoint() (partial)", c.partial_bytes, by_manager(m.checkpoint)),
+        ("manager.checkpoint() (partial)", c.partial_bytes, by_manager(m.primary.checkpoint)),
         ("memory.capture(partial=False)", c.full_bytes, by_manager(lambda: m.slots[0].memory.capture(partial=False))),
         ("manager.save() (changed slot)", c.full_bytes, by_manager(lambda: save_changed(m))),
-        ("manager.save() (unchanged slot)", c.full_bytes, by_manager(m.save)),
+        ("manager.save() (unchanged slot)", c.full_bytes, by_manager(m.primary.save)),
         ("memory.restore(checkpoint) (partial)", c.partial_bytes, by_manager(lambda: m.slots[0].memory.restore(checkpoint))),
-        ("manager.load(entry) (full)", c.full_bytes, by_manager(lambda: m.load(entry))),
+        ("manager.load(entry) (full)", c.full_bytes, by_manager(lambda: m.primary.load(entry))),
         ("raw get partial, preallocated buffer", c.partial_bytes,
          by_raw(raw_get(c.ctx, warm_buffer(c.partial_bytes), True))),
         ("raw set partial, same buffer", c.partial_bytes, by_raw(raw_set(c.ctx, checkpoint.target, True))),
@@ -335,7 +335,7 @@ def measure_first_touch(c: Context, repeats: int) -> dict[str, Samples]:
     kept: list = []
     warm = warm_buffer(n_bytes)
     cases: dict[str, Case | Callable[[], object]] = {
-        "manager.checkpoint(), limit lifted": m.checkpoint,
+        "manager.checkpoint(), limit lifted": m.primary.checkpoint,
         "raw get partial, fresh np.empty (all kept)": raw_get_fresh(c.ctx, n_bytes, True, collections.deque()),
         "raw get partial, fresh mmap pages": lambda: raw_get(c.ctx, fresh_pages(n_bytes, kept), True)(),
         "raw get partial, fresh mmap pages + MADV_HUGEPAGE": lambda: raw_get(

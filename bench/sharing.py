@@ -46,7 +46,7 @@ TURN_TOKENS = 100
 
 def holder_buffers(manager: ckpt_plugin.CheckpointManager) -> Iterator[list[np.ndarray]]:
     """The buffers of each holder: the slot's checkpoints, then each cache entry."""
-    yield [b for c in manager.slot.checkpoints for b in c.buffers()]
+    yield [b for c in manager.primary.slot.checkpoints for b in c.buffers()]
     for entry in manager.cache.entries():
         yield list(entry.buffers())
 
@@ -114,7 +114,7 @@ def run_branches(session: Session) -> tuple[int, int]:
         base, _ = tracemalloc.get_traced_memory()
         for prompt in session.branches:
             greedy(session.llama, prompt)
-        session.manager.save_to_cache()  # the last branch too
+        session.manager.primary.save_to_cache()  # the last branch too
         alive, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -3,8 +3,9 @@
 A :class:`CheckpointManager` holds one :class:`~ckpt_plugin.engine.slot_controller.SlotController` per sequence id of its
 context (``slots``; a host's single ``Llama`` has one), the :class:`~ckpt_plugin.tiers.store.TieredStore` every slot shares,
 the plugin manager and the counters. Each slot prepares prompts and evaluates tokens on its own sequence; checkpoints
-and cache entries are immutable and shared by reference between the slots and the tiers. The one-slot methods
-(:meth:`prepare`, :meth:`process`, :meth:`save`, :meth:`load`, ...) act on slot 0, the slot of an attached ``Llama``.
+and cache entries are immutable and shared by reference between the slots and the tiers. The one-slot API is
+:attr:`~CheckpointManager.primary` (``manager.primary.prepare``, ``.process``, ``.save``, ``.load``, ...): slot 0,
+the slot of an attached ``Llama``; the manager's old names for those verbs are deprecated.
 """
 
 from __future__ import annotations
@@ -14,25 +15,22 @@ import logging
 import os
 import threading
 import time
+import warnings
 from typing import Any, Sequence
-
-import numpy as np
 
 from ckpt_plugin.plugins import hookspecs as hooks
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.tiers.ram import PromptCache
 from ckpt_plugin.engine.captures import Captures
-from ckpt_plugin.core.checkpoint import Checkpoint
 from ckpt_plugin.core.config import CheckpointSettings
 from ckpt_plugin.plugins.default import DEFAULT_PLUGIN_NAME, DefaultPlugin
 from ckpt_plugin.tiers.disk import DiskTier
 from ckpt_plugin.core.errors import SlotBusyError
 from ckpt_plugin.plugins.engine_hooks import EngineHooks, ProjectPlugins
 from ckpt_plugin.plugins.hookspecs import PROJECT_NAME
-from ckpt_plugin.policy.plan import Plan
 from ckpt_plugin.policy.schedule import CheckpointRules, default_min_step
 from ckpt_plugin.tiers.shared.tier import SharedTier
-from ckpt_plugin.core.slot import Backend, Slot
+from ckpt_plugin.core.slot import Backend
 from ckpt_plugin.engine.slot_controller import SlotController
 from ckpt_plugin.engine.store_events import EngineStoreEvents
 from ckpt_plugin.services.slot_files import erase_slot, restore_slot, save_slot
@@ -47,6 +45,23 @@ log = logging.getLogger("ckpt_plugin")
 
 _IDLE_POLL_SECONDS = 0.02
 """How often a deletion waiting for a busy slot looks again (a generation marks no event when it ends)."""
+
+
+class _OnPrimary:
+    """A deprecated name of the manager (kept one release): warns, then gives ``manager.primary``'s attribute of the
+    same name (slot 0's value, or its bound verb)."""
+
+    name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, manager: CheckpointManager | None, owner: type | None = None) -> Any:
+        if manager is None:
+            return self
+        warnings.warn(f"CheckpointManager.{self.name} is deprecated: use manager.primary.{self.name} "
+                      f"(or manager.slots[i].{self.name})", DeprecationWarning, stacklevel=2)
+        return getattr(manager.primary, self.name)
 
 
 class CheckpointManager:
@@ -131,67 +146,26 @@ class CheckpointManager:
     # slot 0: the slot of an attached Llama
 
     @property
-    def slot(self) -> Slot:
-        """Slot 0's tokens, lineage and checkpoints."""
-        return self.slots[0].slot
+    def primary(self) -> SlotController:
+        """Slot 0, the slot of an attached ``Llama`` (``slots[0]``): its verbs are the one-slot API."""
+        return self.slots[0]
 
-    @property
-    def backend(self) -> Backend:
-        """Slot 0's sequence."""
-        return self.slots[0].backend
-
-    @property
-    def lock(self) -> threading.RLock:
-        """Slot 0's lock: held by the host-facing layer while a request uses the slot."""
-        return self.slots[0].lock
-
-    def prepare(self, prompt: Sequence[int] | np.ndarray, max_keep: int | None = None) -> int:
-        """Slot 0's :meth:`~ckpt_plugin.engine.slot_controller.SlotController.prepare`."""
-        return self.slots[0].prepare(prompt, max_keep)
-
-    def process(self, tokens: Sequence[int] | np.ndarray, prompt_end: int | None = None) -> None:
-        """Slot 0's :meth:`~ckpt_plugin.engine.slot_controller.SlotController.process`."""
-        self.slots[0].process(tokens, prompt_end)
-
-    def plan(self, prompt: np.ndarray, max_keep: int | None = None) -> Plan[CacheEntry]:
-        """Slot 0's :meth:`~ckpt_plugin.engine.slot_controller.SlotController.plan`."""
-        return self.slots[0].plan(prompt, max_keep)
-
-    def checkpoint(self) -> Checkpoint | None:
-        """Take a partial checkpoint of slot 0 now (see :meth:`~ckpt_plugin.engine.slot_memory.SlotMemory.checkpoint`)."""
-        return self.slots[0].checkpoint()
-
-    def save(self) -> CacheEntry:
-        """Slot 0's full state with its checkpoints (see :meth:`~ckpt_plugin.engine.slot_memory.SlotMemory.save`)."""
-        return self.slots[0].save()
-
-    def load(self, entry: CacheEntry) -> int:
-        """Restore ``entry`` into slot 0 (see :meth:`~ckpt_plugin.engine.slot_memory.SlotMemory.load`)."""
-        return self.slots[0].load(entry)
-
-    def save_to_cache(self) -> CacheEntry | None:
-        """Put slot 0's state into the prompt cache; the entry, or ``None`` if it was not admitted."""
-        return self.slots[0].memory.save_to_cache()
-
-    def clear_slot(self) -> None:
-        """Empty slot 0 (memory, tokens, checkpoints)."""
-        self.slots[0].clear_slot()
-
-    def reconcile(self) -> None:
-        """Bring slot 0 in line with its memory if something outside the engine changed it."""
-        self.slots[0].reconcile()
-
-    def adopt_memory(self, tokens: np.ndarray) -> None:
-        """Slot 0's memory was loaded outside the engine and holds ``tokens``."""
-        self.slots[0].memory.adopt_memory(tokens)
-
-    def current_namespace(self) -> str:
-        """The namespace of the request being served (the manager's own outside a request scope)."""
-        return self.slots[0].current_namespace()
-
-    def enter_namespace(self, namespace: str) -> None:
-        """Make slot 0 serve ``namespace`` (another tenant's live state is parked first)."""
-        self.slots[0].enter_namespace(namespace)
+    # Deprecated for one release: slot 0's verbs under the manager's name, now ``manager.primary.<name>``.
+    slot = _OnPrimary()
+    backend = _OnPrimary()
+    lock = _OnPrimary()
+    prepare = _OnPrimary()
+    process = _OnPrimary()
+    plan = _OnPrimary()
+    checkpoint = _OnPrimary()
+    save = _OnPrimary()
+    load = _OnPrimary()
+    save_to_cache = _OnPrimary()
+    clear_slot = _OnPrimary()
+    reconcile = _OnPrimary()
+    adopt_memory = _OnPrimary()
+    current_namespace = _OnPrimary()
+    enter_namespace = _OnPrimary()
 
     # ---------------------------------------------------------------------------------------------------------------
     # the store

@@ -63,7 +63,6 @@ class SlotController:
     :param captures: The engine's state copies.
     :ivar memory: The sequence, its record and checkpoints.
     :ivar lock: Held by the host-facing layer while a request uses the slot, and by the slot file operations.
-    :ivar busy: Set by the host-facing layer while a generation holds the slot (across its tokens, not only its calls).
     :ivar branch_point: Where the prompt last prepared leaves the longest prefix it shares with a stored state, when
         a restore could not serve all of it: a checkpoint is taken there (``schedule.branch_point``; 0: none).
     :ivar peers: Set by a host whose sequences share one KV cache: the other live sequences of a namespace whose
@@ -84,7 +83,7 @@ class SlotController:
         # Reentrant: a slot changing hands keeps it from its prepare to its prompt's submission, across the host's
         # calls that take it again (see BatchScheduler.held_until_submitted).
         self.lock = threading.RLock()
-        self.busy = False
+        self._busy = False
         self.branch_point = 0
         self.plan_clock: PlanClock | None = None
         self.fetch_seconds = 0.0
@@ -127,6 +126,49 @@ class SlotController:
     def load(self, entry: CacheEntry) -> int:
         """Restore ``entry`` into the slot (:meth:`SlotMemory.load`)."""
         return self.memory.load(entry)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a generation holds the slot (across its tokens, not only its calls): set by the host-facing layer
+        through :meth:`mark_busy` and :meth:`mark_idle`."""
+        return self._busy
+
+    def mark_busy(self) -> None:
+        """A generation starts on the slot (the slot's lock held)."""
+        self._busy = True
+
+    def mark_idle(self) -> None:
+        """The generation that held the slot ended."""
+        self._busy = False
+
+    @property
+    def holds_outside_writes(self) -> bool:
+        """Whether the memory holds positions written from outside that no token id names
+        (:attr:`SlotMemory.opaque`)."""
+        return self.memory.opaque
+
+    def discard_outside_writes(self) -> None:
+        """Cut the memory back to the tokens the slot names (:meth:`SlotMemory.discard_opaque`)."""
+        self.memory.discard_opaque()
+
+    def record_evaluated(self, chunk: np.ndarray) -> None:
+        """``chunk`` was just evaluated after the slot's end, outside the engine: record it
+        (:meth:`SlotMemory.append`)."""
+        self.memory.append(chunk)
+
+    def window_serves(self, n_keep: int) -> bool:
+        """Whether the memory, cut to ``n_keep`` tokens, holds the window the token at ``n_keep`` sees
+        (:meth:`SlotMemory.window_serves`)."""
+        return self.memory.window_serves(n_keep)
+
+    def save_to_cache(self) -> CacheEntry | None:
+        """Put the slot's state into the prompt cache; the entry, or ``None`` if it was not admitted
+        (:meth:`SlotMemory.save_to_cache`)."""
+        return self.memory.save_to_cache()
+
+    def adopt_memory(self, tokens: np.ndarray) -> None:
+        """The memory was loaded outside the engine and holds ``tokens`` (:meth:`SlotMemory.adopt_memory`)."""
+        self.memory.adopt_memory(tokens)
 
     def reconcile(self) -> None:
         """Bring the slot in line with the memory (:meth:`SlotMemory.reconcile`)."""
@@ -227,7 +269,7 @@ class SlotController:
             self.hooks.call(self.hooks.hook.on_full_reprocess, slot=self.slot, n_common=live.n_common, reason=reason)
         if entry is None and live.n_keep < keep_limit(len(prompt)) and not just_loaded and not plan.by_cost \
                 and plan.share is None:
-            self.counters.add(cache_misses=1)
+            self.memory.count_lookup(hit=False)
 
     def _time_plan(self, plan: Plan[CacheEntry], prompt: np.ndarray, n_keep: int, started: float) -> None:
         """Start timing the prompt against the plan's estimate (the cost model learns from the difference)."""

@@ -198,11 +198,19 @@ class SlotMemory:
         self.pin()
         if self.store.contains(entry):
             # A host that consults its cache itself (``Llama.load_state(cache[key])``) hits through here.
-            self.counters.add(cache_hits=1)
+            self.count_lookup(hit=True)
             self.store.touch(entry)
             self._loaded_from_cache = self.slot.version
         self.restored(time.perf_counter() - started, None, entry)
         return self.slot.n_tokens
+
+    def count_lookup(self, hit: bool) -> None:
+        """Count a prompt served from a cache entry (``cache_hits``) or one the slot's memory and the stores could not
+        serve (``cache_misses``): the one place the engine counts either."""
+        if hit:
+            self.counters.add(cache_hits=1)
+        else:
+            self.counters.add(cache_misses=1)
 
     def save_to_cache(self) -> CacheEntry | None:
         """Put the slot's state into the prompt cache (in the slot's namespace); return the entry, or ``None`` if it
@@ -346,7 +354,7 @@ class SlotMemory:
             return
         started = time.perf_counter()
         if entry is not None:
-            self.counters.add(cache_hits=1)
+            self.count_lookup(hit=True)
             self.hooks.call(self.hooks.hook.on_cache_hit, slot=slot, entry=entry, n_tokens=n_keep)
             if plan.restore_state:
                 memory.restore(entry.state)

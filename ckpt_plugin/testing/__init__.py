@@ -176,10 +176,10 @@ def run_prompt(manager: CheckpointManager, prompt: list[int] | np.ndarray, n_gen
     # The namespace of a request is its scope's (what the HTTP middleware sets for each request), not the slot's.
     token = current_request.set(RequestScope(namespace=namespace)) if namespace is not None else None
     try:
-        n_keep = manager.prepare(prompt)
-        manager.process(prompt[n_keep:], len(prompt))
+        n_keep = manager.primary.prepare(prompt)
+        manager.primary.process(prompt[n_keep:], len(prompt))
         for i in range(n_generate):
-            manager.process(np.asarray([7 + i], dtype=np.int32), len(prompt))
+            manager.primary.process(np.asarray([7 + i], dtype=np.int32), len(prompt))
     finally:
         if token is not None:
             current_request.reset(token)

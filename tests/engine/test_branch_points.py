@@ -52,4 +52,4 @@ def test_a_short_shared_prefix_leaves_no_checkpoint(make_llama: Any) -> None:
     for prompt in short:
         evaluated_for(llama, manager, prompt)
     assert manager.slots[0].branch_point == 0
-    assert not any(c.n_tokens == 20 for c in manager.slot.checkpoints)
+    assert not any(c.n_tokens == 20 for c in manager.primary.slot.checkpoints)

@@ -14,7 +14,7 @@ def test_state_bytes_stay_within_the_budget_under_many_conversations(make_llama:
     probe = ckpt_plugin.attach(llama, load_entrypoints=False)
     rng = np.random.default_rng(3)
     llama.create_completion([1, *rng.integers(3, 200, 300).tolist()], max_tokens=1, temperature=0)
-    checkpoint_bytes = max(c.nbytes for c in probe.slot.checkpoints)
+    checkpoint_bytes = max(c.nbytes for c in probe.primary.slot.checkpoints)
     ckpt_plugin.detach(llama)
     budget = 12 * checkpoint_bytes
     manager = ckpt_plugin.attach(llama, cache_max_bytes=budget, load_entrypoints=False)

@@ -83,7 +83,7 @@ def test_an_entry_saved_from_slot_0_restores_into_slot_1_by_reference(engine: An
     a = tokens(rng, 200)
     serve(manager, 0, a)
     serve(manager, 1, tokens(rng, 120))  # slot 1 holds another conversation
-    entry = manager.slots[0].memory.save_to_cache()
+    entry = manager.slots[0].save_to_cache()
     assert entry is not None
     hits = manager.counters.cache_hits
     continued = np.concatenate([a, tokens(rng, 12)])

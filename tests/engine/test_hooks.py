@@ -44,7 +44,7 @@ def test_entry_point_plugin_is_loaded_and_sees_hooks(make_llama: Any, tmp_path: 
     llama.create_completion(list(range(3, 60)), max_tokens=2, temperature=0)
     assert third_party_ckpt.seen[0] == ("on_attach", manager)
     created = [n for name, n in third_party_ckpt.seen[1:] if name == "on_checkpoint_created"]
-    assert created == [c.n_tokens for c in manager.slot.checkpoints] and created
+    assert created == [c.n_tokens for c in manager.primary.slot.checkpoints] and created
 
 
 def test_entry_points_can_be_turned_off(make_llama: Any, tmp_path: Any, monkeypatch: Any) -> None:
@@ -63,7 +63,7 @@ class Observer:
     @hookimpl
     def on_prompt_processed(self, manager: Any, slot: Any, start: int, end: int, prompt_end: int) -> None:
         assert 0 <= start < end <= prompt_end
-        assert slot.n_tokens == end == manager.backend.pos_max() + 1
+        assert slot.n_tokens == end == manager.primary.backend.pos_max() + 1
         self.events.append(("processed", (start, end, prompt_end)))
 
     @hookimpl
@@ -83,7 +83,7 @@ class Observer:
 
     @hookimpl
     def on_slot_restore(self, manager: Any, slot: Any, checkpoint: Any, entry: Any, n_tokens: int) -> None:
-        assert slot.n_tokens == n_tokens == manager.backend.pos_max() + 1
+        assert slot.n_tokens == n_tokens == manager.primary.backend.pos_max() + 1
         self.events.append(("restore", n_tokens))
 
 
@@ -138,8 +138,8 @@ def test_failing_plugin_gives_clear_error_and_consistent_slot(make_llama: Any) -
     with pytest.raises(PluginError, match="failing-plugin.*on_checkpoint_created.*boom") as info:
         llama.create_completion(prompt, max_tokens=3, temperature=0)
     assert info.value.plugin == "failing-plugin"
-    assert manager.slot.n_tokens == manager.backend.pos_max() + 1
-    assert np.array_equal(manager.slot.tokens, prompt[: manager.slot.n_tokens])
+    assert manager.primary.slot.n_tokens == manager.primary.backend.pos_max() + 1
+    assert np.array_equal(manager.primary.slot.tokens, prompt[: manager.primary.slot.n_tokens])
     manager.plugins.unregister(name="failing-plugin")
     got = llama.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
     want = reference.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
@@ -155,7 +155,7 @@ def test_policy_can_be_replaced_by_a_plugin() -> None:
     manager = fake_manager("recurrent", checkpoint_min_step=4)
     manager.plugins.register(Never())
     run_prompt(manager, list(range(50)))
-    assert manager.slot.checkpoints == []
+    assert manager.primary.slot.checkpoints == []
 
 
 def test_hook_recorder_from_the_testing_kit(hook_recorder: HookRecorder) -> None:
@@ -169,7 +169,7 @@ def test_hook_recorder_from_the_testing_kit(hook_recorder: HookRecorder) -> None
     created = [kwargs for name, kwargs in hook_recorder.calls if name == "on_checkpoint_created"]
     assert created[0]["checkpoint"].n_tokens > 0 and created[0]["manager"] is manager
     assert "on_slot_restore" in names
-    assert not manager.backend.corrupted
+    assert not manager.primary.backend.corrupted
 
 
 def test_a_skipped_hook_is_called_as_soon_as_a_plugin_implements_it_and_skipped_again_after() -> None:
@@ -187,14 +187,14 @@ def test_a_skipped_hook_is_called_as_soon_as_a_plugin_implements_it_and_skipped_
 
     seen = Seen()
     manager.plugins.register(seen, name="seen")
-    first = manager.checkpoint()
+    first = manager.primary.checkpoint()
     assert seen.created == [first] and "on_checkpoint_created" not in manager.plugins.idle_hooks
     manager.plugins.unregister(name="seen")
-    manager.checkpoint()
+    manager.primary.checkpoint()
     assert seen.created == [first] and "on_checkpoint_created" in manager.plugins.idle_hooks
     manager.plugins.register(seen, name="seen")
     manager.plugins.set_blocked("seen")  # blocking unregisters
-    manager.checkpoint()
+    manager.primary.checkpoint()
     assert seen.created == [first]
 
     # A plugin's own hook, specified after the manager was made and implemented later still.
@@ -219,7 +219,7 @@ def test_a_skipped_hook_is_called_as_soon_as_a_plugin_implements_it_and_skipped_
     other.add_hookspecs(ckpt_plugin.plugins.hookspecs)
     other.register(Seen(), name="seen-elsewhere")
     elsewhere = other.get_plugin("seen-elsewhere")
-    manager.hooks.call(other.hook.on_checkpoint_created, slot=manager.slot, checkpoint=first)
+    manager.hooks.call(other.hook.on_checkpoint_created, slot=manager.primary.slot, checkpoint=first)
     assert elsewhere.created == [first]
 
 
@@ -228,11 +228,11 @@ def test_a_call_monitor_sees_hooks_nobody_implements() -> None:
     calls: list[str] = []
     undo = manager.plugins.add_hookcall_monitoring(lambda name, impls, kwargs: calls.append(name),
                                                    lambda outcome, name, impls, kwargs: None)
-    manager.checkpoint()
+    manager.primary.checkpoint()
     assert "on_checkpoint_created" in calls and not manager.plugins.idle_hooks
     undo()
     calls.clear()
-    manager.checkpoint()
+    manager.primary.checkpoint()
     assert calls == [] and "on_checkpoint_created" in manager.plugins.idle_hooks
 
 
@@ -285,14 +285,14 @@ def test_run_prompt_serves_a_prompt_in_a_tenants_namespace() -> None:
     manager.plugins.register(rule)
     prompt = list(range(100, 140))
     run_prompt(manager, prompt, namespace=alice)
-    assert manager.slot.namespace == alice
+    assert manager.primary.slot.namespace == alice
     run_prompt(manager, prompt, namespace=bob)  # the slot changes tenant: alice's state would be parked
     run_prompt(manager, prompt[:30], namespace="other")  # and bob's
     assert rule.asked[:2] == [alice, bob]
     assert {entry.namespace for entry in manager.cache.entries()} == {bob}
     assert run_prompt(manager, prompt, namespace=bob) < len(prompt)  # bob's own state comes back
     run_prompt(manager, prompt)
-    assert manager.slot.namespace == manager.settings.namespace == "default"  # outside a tenant
+    assert manager.primary.slot.namespace == manager.settings.namespace == "default"  # outside a tenant
 
 
 def test_the_tenant_rule_example_of_the_docs_runs() -> None:

@@ -312,14 +312,14 @@ def test_a_plugins_extra_state_round_trips_through_ram_disk_and_the_shared_tier(
         return manager, plugin
 
     def serve(manager: CheckpointManager, tokens: np.ndarray) -> int:
-        n_keep = manager.prepare(tokens)
-        manager.process(tokens[n_keep:])
+        n_keep = manager.primary.prepare(tokens)
+        manager.primary.process(tokens[n_keep:])
         return n_keep
 
     try:
         writer, _ = engine(disk=True, shared=True)
         serve(writer, prompt)
-        entry = writer.save_to_cache()  # RAM, written through to disk, queued for the shared tier
+        entry = writer.primary.save_to_cache()  # RAM, written through to disk, queued for the shared tier
         assert entry is not None and writer.store.shared is not None and writer.store.shared.drain(20)
         assert all(holds_mytool(r, prompt) for r in (entry.state, *entry.checkpoints))
         assert len(entry.checkpoints) >= 2

@@ -55,7 +55,7 @@ def test_detach_restores_the_host(make_llama: Any) -> None:
     assert ckpt_plugin.detach(llama) is manager
     assert llama.cache is original_cache
     assert not any(name in llama.__dict__ for name in ("eval", "generate", "save_state", "load_state", "set_cache"))
-    assert manager.slot.checkpoints == []
+    assert manager.primary.slot.checkpoints == []
     assert ckpt_plugin.manager_of(llama) is None
     with pytest.raises(UnsupportedHostError):
         ckpt_plugin.detach(llama)
@@ -66,7 +66,7 @@ def test_save_restore_share_copy_no_state_bytes(make_llama: Any, kind: str) -> N
     llama = make_llama(kind)
     manager = ckpt_plugin.attach(llama, checkpoint_min_step=32, load_entrypoints=False)
     text(llama, PROMPT_A)
-    size = manager.backend.state_size(partial=False)
+    size = manager.primary.backend.state_size(partial=False)
 
     captured = manager.counters.bytes_captured
     tracemalloc.start()
@@ -90,7 +90,7 @@ def test_save_restore_share_copy_no_state_bytes(make_llama: Any, kind: str) -> N
     tracemalloc.start()
     again = llama.save_state()  # nothing changed: the same capture is shared, not taken again
     assert manager.admit(again.entry)
-    other = ckpt_plugin.CheckpointManager(manager.backend, cache=manager.cache, load_entrypoints=False)
+    other = ckpt_plugin.CheckpointManager(manager.primary.backend, cache=manager.cache, load_entrypoints=False)
     other.slots[0].memory.adopt(again.entry.tokens, again.entry.checkpoints, again.entry.n_tokens)
     _, peak_share = tracemalloc.get_traced_memory()
     tracemalloc.stop()
@@ -111,7 +111,7 @@ def test_checkpoint_buffers_are_read_only_and_shared(make_llama: Any) -> None:
     with pytest.raises(ValueError):
         entry.checkpoints[0].target[0] = 1
     text(llama, PROMPT_A + [5, 6])  # restored from the cache: the slot shares the entry's checkpoints
-    assert {id(c) for c in entry.checkpoints} <= {id(c) for c in manager.slot.checkpoints}
+    assert {id(c) for c in entry.checkpoints} <= {id(c) for c in manager.primary.slot.checkpoints}
     stats = manager.stats()
     assert stats["resident_bytes"] < stats["referenced_bytes"]
 
@@ -138,11 +138,11 @@ def test_foreign_state_is_refused_and_slot_unchanged(make_llama: Any) -> None:
     other_manager = ckpt_plugin.attach(other, load_entrypoints=False)
     text(llama, PROMPT_A)
     text(other, PROMPT_B)
-    before = manager.slot.tokens.copy()
+    before = manager.primary.slot.tokens.copy()
     with pytest.raises(IncompatibleStateError, match="belongs to model/context"):
         llama.load_state(other.save_state())
-    assert np.array_equal(manager.slot.tokens, before)
-    assert manager.backend.pos_max() + 1 == len(before)
+    assert np.array_equal(manager.primary.slot.tokens, before)
+    assert manager.primary.backend.pos_max() + 1 == len(before)
     assert isinstance(other.save_state(), SharedLlamaState)
     assert other_manager.fingerprint != manager.fingerprint
 
@@ -156,7 +156,7 @@ def test_plain_llama_state_still_loads(make_llama: Any) -> None:
     manager = ckpt_plugin.attach(llama, load_entrypoints=False)
     text(llama, PROMPT_B)
     llama.load_state(plain_state)
-    assert manager.slot.n_tokens == plain_state.n_tokens
+    assert manager.primary.slot.n_tokens == plain_state.n_tokens
     assert text(llama, PROMPT_A + [7]) == text(reference, PROMPT_A + [7])
 
 

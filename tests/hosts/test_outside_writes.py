@@ -286,7 +286,7 @@ def test_a_memory_with_unknown_positions_is_never_saved_cached_or_published(make
     image_request(llama, 7, seen=False)
     controller = manager.slots[0]
     controller.reconcile()
-    assert controller.memory.opaque
+    assert controller.holds_outside_writes
     with pytest.raises(OpaqueMemoryError):
         manager.save_slot(tmp_path / "slot.bin")
     state = llama.save_state()
@@ -297,4 +297,4 @@ def test_a_memory_with_unknown_positions_is_never_saved_cached_or_published(make
     # The host's own state round-trips as the host's.
     llama.load_state(state)
     controller.reconcile()
-    assert controller.memory.opaque and controller.slot.n_tokens == len(TEXT0)
+    assert controller.holds_outside_writes and controller.slot.n_tokens == len(TEXT0)

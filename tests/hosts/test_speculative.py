@@ -79,7 +79,7 @@ def test_speculative_state_rides_in_checkpoints(make_llama: Any) -> None:
     ngram = NgramDraft(n=2, n_draft=4)
     manager.plugins.register(NgramStatePlugin(ngram))
     greedy_tokens(target, A, 4)
-    checkpoint = manager.slot.checkpoints[-1]
+    checkpoint = manager.primary.slot.checkpoints[-1]
     assert checkpoint.speculative is not None and not checkpoint.speculative.flags.writeable
     greedy_tokens(target, B, 4)
     (entry,) = [e for e in manager.cache.entries() if e.tokens[1] == A[1]]

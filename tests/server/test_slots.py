@@ -63,7 +63,7 @@ def test_slot_round_trip_across_processes(make_llama: Any, tiny_model: Any, tmp_
     manager = ckpt_plugin.attach(restored, checkpoint_min_step=32, load_entrypoints=False)
     result = manager.restore_slot(slot_file)
     assert result["n_restored"] == len(PROMPT)
-    assert manager.slot.checkpoints or kind == "llama"  # checkpoints came back with the state
+    assert manager.primary.slot.checkpoints or kind == "llama"  # checkpoints came back with the state
     uninterrupted = make_llama(kind)
     prompt = PROMPT + CONTINUATION
     before = manager.counters.tokens_evaluated
@@ -86,13 +86,14 @@ def test_refused_files_leave_the_slot_unchanged(make_llama: Any, tmp_path: Any) 
     truncated.write_bytes(bytes(data[: len(data) // 2]))
     data[len(data) // 3] ^= 0x40
     flipped.write_bytes(bytes(data))
-    before = (manager.slot.tokens.copy(), list(manager.slot.checkpoints), manager.backend.pos_max())
+    primary = manager.primary
+    before = (primary.slot.tokens.copy(), list(primary.slot.checkpoints), primary.backend.pos_max())
     for bad, error in ((truncated, CorruptFileError), (flipped, CorruptFileError),
                        (foreign, ckpt_plugin.IncompatibleStateError)):
         with pytest.raises(error):
             manager.restore_slot(bad)
-        assert np.array_equal(manager.slot.tokens, before[0])
-        assert manager.slot.checkpoints == before[1] and manager.backend.pos_max() == before[2]
+        assert np.array_equal(manager.primary.slot.tokens, before[0])
+        assert manager.primary.slot.checkpoints == before[1] and manager.primary.backend.pos_max() == before[2]
 
 
 def test_slot_http_api(tiny_model: Any, tmp_path: Any) -> None:

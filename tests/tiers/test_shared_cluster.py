@@ -69,7 +69,7 @@ def test_any_nodes_url_reaches_the_cluster_and_entries_spread_over_the_nodes(clu
     for user in range(6):
         reader = replica(other, "spread")
         assert kept(reader, prompt_of(user) + [7, 8]) >= len(PROMPT), user
-        assert not reader.backend.corrupted
+        assert not reader.primary.backend.corrupted
         # lookup: index then manifests, on the partition's node; fetch: the blobs, every node's at once
         assert reader.store.shared.stats()["round_trips"] == 3
     keys = cluster.keys("spread*")
@@ -112,7 +112,7 @@ def test_a_node_killed_costs_misses_only_and_comes_back(cluster: RedisCluster) -
             served.append(kept(reader, prompt_of(user) + [7, 8]))
             # the lost node is asked at most once (refused at once), then left alone: no request waits on it
             assert tier.counters.errors - errors <= 1
-            assert not reader.backend.corrupted
+            assert not reader.primary.backend.corrupted
         # the entries whose keys live on the two other nodes are still served; the others are misses
         assert 0 < sum(1 for n in served if n >= len(PROMPT)) < len(users), served
         assert tier.stats()["errors"] >= 1 and tier.available and not tier.server.up
@@ -164,7 +164,7 @@ def test_slots_moving_while_serving_cost_misses_only(cluster: RedisCluster) -> N
         reader = replica(cluster.url, "reshard")  # nothing of its own: every round asks the cluster
         got = kept(reader, prompt_of(user) + [7, rounds])
         assert got == 0 or got >= len(PROMPT), got
-        assert not reader.backend.corrupted
+        assert not reader.primary.backend.corrupted
         reader.store.shared.close(0)
         rounds += 1
     assert cluster.slots_of(source) == 0
@@ -186,7 +186,7 @@ def test_a_single_valkey_server(tmp_path: Path) -> None:
         run_prompt(a, PROMPT, 2)
         published(a)
         b = replica(server.url, "valkey")
-        assert kept(b, PROMPT + [7, 8]) >= len(PROMPT) - 1 and not b.backend.corrupted
+        assert kept(b, PROMPT + [7, 8]) >= len(PROMPT) - 1 and not b.primary.backend.corrupted
 
 
 # An ACL user with only the commands the tier sends (docs/shared-tier.md, "Security"), on a cluster.

@@ -49,13 +49,13 @@ def test_a_replica_continues_and_branches_what_another_replica_served(redis_serv
     kept = continue_on(b, follow_up)
     assert kept >= len(PROMPT) - 1, kept
     assert b.store.shared.counters.hits == 1 and b.counters.disk_hits == 0
-    assert not b.backend.corrupted and b.backend.memory[: len(follow_up)] == follow_up
+    assert not b.primary.backend.corrupted and b.primary.backend.memory[: len(follow_up)] == follow_up
     # a third replica branches off inside the first prompt: a checkpoint (or a truncation) of A's entry serves it
     c = replica(redis_server.url, kind, prefix)
     branch = PROMPT[:150] + list(range(500, 520))
     kept = continue_on(c, branch)
     assert kept >= (1 if kind in ("plain",) else 64), kept
-    assert not c.backend.corrupted and c.backend.memory[: len(branch)] == branch
+    assert not c.primary.backend.corrupted and c.primary.backend.memory[: len(branch)] == branch
     # only the blobs the plan restores were read: the full state and one checkpoint
     stats = c.store.shared.stats()
     assert stats["hits"] == 1 and stats["round_trips"] == 3, stats
@@ -84,7 +84,7 @@ def test_shared_checkpoints_are_stored_once(redis_server: RedisServer) -> None:
     published(a)
     blobs = redis_server.keys("dedup:*:b:*")
     # two full states, plus each checkpoint once although both entries hold the early ones
-    n_checkpoints = len(a.slot.checkpoints)
+    n_checkpoints = len(a.primary.slot.checkpoints)
     assert len(blobs) == 2 + n_checkpoints, (len(blobs), n_checkpoints)
     assert len(redis_server.keys("dedup:*:e:*")) == 2
 
@@ -98,7 +98,7 @@ def test_corrupted_values_are_misses_and_are_dropped(redis_server: RedisServer) 
         client.set(key, b"garbage")
     b = replica(redis_server.url, prefix="corrupt")
     assert continue_on(b, PROMPT + [7, 8]) == 0
-    assert b.store.shared.counters.corrupt >= 1 and not b.backend.corrupted
+    assert b.store.shared.counters.corrupt >= 1 and not b.primary.backend.corrupted
     b.store.shared.drain(5)
     for key in redis_server.keys("corrupt:*:e:*"):
         client.set(key, b"CKPTSLOT" + b"\0" * 300)
@@ -160,7 +160,7 @@ def test_a_full_server_refuses_writes_without_failing_requests(tmp_path: Path) -
         stats = a.store.shared.stats()
         assert stats["write_errors"] >= 1 and stats["writes"] == 0 and stats["available"] == 1
         b = replica(full.url)
-        assert continue_on(b, PROMPT + [7, 8]) == 0 and not b.backend.corrupted
+        assert continue_on(b, PROMPT + [7, 8]) == 0 and not b.primary.backend.corrupted
 
 
 def test_a_full_queue_drops_and_counts(redis_server: RedisServer) -> None:

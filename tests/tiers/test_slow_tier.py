@@ -94,11 +94,11 @@ def test_a_short_suffix_is_evaluated_here_rather_than_fetched(far: tuple[RedisSe
     assert run_prompt(by_cost, ASK) == len(ASK) - LOCAL, rates(by_cost)
     assert hits(by_cost) == 0 and by_cost.store.shared.counters.lookups == lookups
     assert by_cost.rules.costs.lookups_skipped == 1
-    assert by_cost.counters.forced_reprocess == 0 and not by_cost.backend.corrupted
-    assert by_cost.backend.memory[: len(ASK)] == ASK
+    assert by_cost.counters.forced_reprocess == 0 and not by_cost.primary.backend.corrupted
+    assert by_cost.primary.backend.memory[: len(ASK)] == ASK
     # By tokens (what the planner did before it knew costs): the fetch, to evaluate 4 tokens instead of 20.
     assert run_prompt(by_tokens, ASK) == len(ASK) - len(BASE)
-    assert hits(by_tokens) == 1 and by_tokens.backend.memory[: len(ASK)] == ASK
+    assert hits(by_tokens) == 1 and by_tokens.primary.backend.memory[: len(ASK)] == ASK
 
 
 def test_a_long_prefix_is_still_fetched_and_a_short_one_is_not(far: tuple[RedisServer, DelayProxy]) -> None:
@@ -111,7 +111,7 @@ def test_a_long_prefix_is_still_fetched_and_a_short_one_is_not(far: tuple[RedisS
     assert costs["eval_observations"]["32"] > 0 and costs["transfers"]["shared"]["latency_observations"] >= 3
     # 1,500 tokens to evaluate (1.5 s here) against three round trips and a few kB: fetched.
     assert run_prompt(fresh, ASK) == len(ASK) - len(BASE)
-    assert hits(fresh) == 1 and fresh.backend.memory[: len(ASK)] == ASK
+    assert hits(fresh) == 1 and fresh.primary.backend.memory[: len(ASK)] == ASK
     # The tier's fixed cost was measured through the link: never less than its round trip.
     assert fresh.rules.costs.snapshot()["transfers"]["shared"]["latency_seconds"] >= 0.020
     # A prompt sharing only 32 tokens with the stored conversation: evaluated here, not fetched.
@@ -120,4 +120,4 @@ def test_a_long_prefix_is_still_fetched_and_a_short_one_is_not(far: tuple[RedisS
     short = BASE[:32] + [3, 4, 5, 6]
     assert run_prompt(other, short) == len(short), rates(other)
     assert hits(other) == 0 and other.rules.costs.lookups_skipped == 1
-    assert other.backend.memory[: len(short)] == short and not other.backend.corrupted
+    assert other.primary.backend.memory[: len(short)] == short and not other.primary.backend.corrupted

@@ -255,7 +255,7 @@ def test_an_engine_recomputes_an_edit_when_restoring_is_slower(by_cost: bool) ->
     manager.rules.costs.fix(CPU_LIKE)
     prompt = list(range(10, 410))
     run_prompt(manager, prompt, 2)
-    assert [c.n_tokens for c in manager.slot.checkpoints] == [64, 128, 192, 256, 320, 384, 400]
+    assert [c.n_tokens for c in manager.primary.slot.checkpoints] == [64, 128, 192, 256, 320, 384, 400]
     manager.rules.costs.fix(GPU_LIKE)  # now a restore costs more than the evaluation it saves
     edited = prompt[:300] + [5] * 20
     evaluated = run_prompt(manager, edited, 2)
@@ -269,7 +269,7 @@ def test_an_engine_recomputes_an_edit_when_restoring_is_slower(by_cost: bool) ->
         assert costs["plans_by_cost"] == 0 and not costs["enabled"]
     # the memory's own limits are counted as before: the window had lost 256..300 either way
     assert manager.counters.forced_reprocess == 1 and manager.counters.tokens_reprocessed == 300 - 256
-    assert not manager.backend.corrupted and manager.backend.memory[: len(edited)] == edited
+    assert not manager.primary.backend.corrupted and manager.primary.backend.memory[: len(edited)] == edited
 
 
 def test_stats_and_metrics_show_rates_and_estimated_against_actual_time() -> None:

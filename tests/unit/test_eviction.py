@@ -36,7 +36,7 @@ def serve_and_park(manager: Any, namespace: str, seed: int) -> None:
     token = current_request.set(RequestScope(namespace=namespace))
     try:
         run_prompt(manager, conversation(seed))
-        manager.save_to_cache()
+        manager.primary.save_to_cache()
     finally:
         current_request.reset(token)
 

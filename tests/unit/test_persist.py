@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -455,6 +456,20 @@ def test_fuzzed_files_are_refused_cleanly_within_the_file_size(tmp_path: Path) -
     counter = {"examples": 0, "loaded": 0, "refused": 0}
     path = tmp_path / "fuzz"
 
+    def traced_read(expected: str | None) -> tuple[Any, int]:
+        """``read_entry`` of the file (``None`` where it is refused with a message), and the peak of what was
+        allocated meanwhile."""
+        tracemalloc.start()  # traced around the read only: tracing hypothesis itself would triple the runtime
+        try:
+            entry = read_entry(path, expected_fingerprint=expected)
+        except (CorruptFileError, IncompatibleStateError) as exc:
+            entry = None
+            assert str(exc)
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        return entry, peak
+
     @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(base=st.integers(0, len(BASES) - 1), steps=st.lists(mutations, min_size=1, max_size=4),
@@ -467,15 +482,14 @@ def test_fuzzed_files_are_refused_cleanly_within_the_file_size(tmp_path: Path) -
         if path.exists():
             path.unlink()  # a new inode: entries of earlier examples stay mapped over their own file
         path.write_bytes(data)
-        tracemalloc.start()  # traced around the read only: tracing hypothesis itself would triple the runtime
-        try:
-            entry = read_entry(path, expected_fingerprint=expected)
-        except (CorruptFileError, IncompatibleStateError) as exc:
-            entry = None
-            assert str(exc)
-        finally:
-            peak = tracemalloc.get_traced_memory()[1]
-            tracemalloc.stop()
+        entry, peak = traced_read(expected)
+        # tracemalloc counts every thread's allocations: a thread an earlier test left running (a shared tier's
+        # probe, a writer) can land in the window. Reading again gives the read's own figure; a read that does
+        # allocate by what the file claims does so every time.
+        for _ in range(2):
+            if peak < len(data) + SLACK:
+                break
+            peak = min(peak, traced_read(expected)[1])
         assert peak < len(data) + SLACK, f"read_entry allocated {peak} bytes for a {len(data)}-byte file"
         try:
             header = read_header(path, expected_fingerprint=expected)

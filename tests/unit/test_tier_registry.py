@@ -17,7 +17,7 @@ def test_managers_naming_one_directory_share_its_disk_tier(tmp_path: pathlib.Pat
     assert a.disk is b.disk  # not two indexes and two budgets racing over the same files
     assert a.cache is not b.cache  # RAM caches are private unless shared on purpose
     run_prompt(a, list(range(10, 300)))
-    a.save_to_cache()
+    a.primary.save_to_cache()
     assert len(b.disk) == 1
 
 

@@ -81,7 +81,7 @@ class HostPromptCache(BaseLlamaCache):
     def _best(self, key: Sequence[int]) -> CacheEntry | None:
         # The host takes one state: the entries below the point where the prompt leaves the tree all share the same
         # prefix with it, so one of them is as good as any (no walk through the others' subtrees).
-        candidates = self.manager.cache.lookup(self.manager.current_namespace(), self.manager.fingerprint, key,
+        candidates = self.manager.cache.lookup(self.manager.primary.current_namespace(), self.manager.fingerprint, key,
                                                max_candidates=1)
         best = max(candidates, key=lambda pair: pair[1], default=None)
         return best[0] if best is not None and best[1] > 0 else None
@@ -100,7 +100,7 @@ class HostPromptCache(BaseLlamaCache):
             return  # its key names positions the memory does not hold as those tokens: never cached
         if not isinstance(value, SharedLlamaState):
             raise TypeError("only states from an attached Llama's save_state() can be cached here")
-        with self.manager.lock:
+        with self.manager.primary.lock:
             self.manager.admit(value.entry)
 
 

@@ -58,9 +58,9 @@ def serve_outside_writes(
     if reuse <= named:
         slot = controller.slot
         if named > slot.n_tokens:
-            controller.memory.append(record[slot.n_tokens : named].astype(np.int32))
+            controller.record_evaluated(record[slot.n_tokens : named].astype(np.int32))
         return None
-    if (not controller.kind.recurrent and controller.memory.window_serves(reuse)
+    if (not controller.kind.recurrent and controller.window_serves(reuse)
             and not bool((truth[:reuse] < 0).any()) and (reuse == common or truth[reuse] == 1)):
         llama.n_tokens = n
         host.set_logits_current(llama, False)

@@ -172,7 +172,7 @@ class Attachment:
         """The controller's reconcile, noting when the memory started holding positions written from outside."""
         controller = self.controller
         controller.reconcile()
-        if not controller.memory.opaque:
+        if not controller.holds_outside_writes:
             self.opaque_since = None
         elif self.opaque_since is None:
             self.opaque_since = self.generations
@@ -181,11 +181,11 @@ class Attachment:
         """Whether the generation starting now is served as the host alone would: the memory holds positions
         written from outside since the last generation, by this tenant (see ``opaque_since``)."""
         controller = self.controller
-        if not controller.memory.opaque:
+        if not controller.holds_outside_writes:
             return False
         if self.opaque_since == self.generations and controller.slot.namespace == controller.current_namespace():
             return True
-        controller.memory.discard_opaque()
+        controller.discard_outside_writes()
         self.opaque_since = None
         return False
 
@@ -213,7 +213,7 @@ class Attachment:
             return
         n_host = llama.n_tokens
         slot = controller.slot
-        if controller.memory.opaque:
+        if controller.holds_outside_writes:
             if n_host > slot.n_tokens:
                 # Host code evaluates after positions it wrote itself: as the host alone, nothing recorded.
                 try:
@@ -225,7 +225,7 @@ class Attachment:
                         f"match the memory ({exc}); nothing was evaluated") from exc
                 controller.counters.add(tokens_evaluated=len(new))
                 return
-            controller.memory.discard_opaque()
+            controller.discard_outside_writes()
         if n_host != slot.n_tokens or (len(new) > 1 and not np.array_equal(llama.input_ids[:n_host], slot.tokens)):
             wanted = np.concatenate((llama.input_ids[:n_host].astype(np.int32), new))
             n_keep = controller.prepare(wanted)
@@ -316,14 +316,14 @@ class Attachment:
         with self.controller.lock:
             # The newest generation owns the slot: an older one the host abandoned mid-stream is simply superseded.
             self.current = generation
-            self.controller.busy = True
+            self.controller.mark_busy()
             try:
                 skip = self._begin(generation, tokens, reset, stopping, reads or (False, False))
             except BaseException:  # a refused or failed prepare leaves the slot free, not busy for ever
                 generation.finished = True
                 if self.current is generation:
                     self.backend.end_generation()
-                    self.controller.busy = False
+                    self.controller.mark_idle()
                 raise
         if skip:
             tokens, args, kwargs = self._continuation(tokens[skip:], args, kwargs)
@@ -353,7 +353,7 @@ class Attachment:
             generation.finished = True
             if self.current is generation:
                 self.backend.end_generation()
-                self.controller.busy = False
+                self.controller.mark_idle()
 
     def _begin(self, generation: _Generation, tokens: list[int], reset: bool, stopping: bool,
                reads: tuple[bool, bool]) -> int | None:
@@ -391,7 +391,7 @@ class Attachment:
     def save_state(self) -> LlamaState:
         with self.controller.lock:
             self._reconcile()
-            if self.controller.memory.opaque:
+            if self.controller.holds_outside_writes:
                 # Positions no token id names: the host's own copy of the whole state, kept out of every store.
                 state = type(self.llama).save_state(self.llama)
                 return mark_host_only(state, self.controller.slot.n_tokens)
@@ -407,7 +407,7 @@ class Attachment:
             self.backend.load_host_state(self._load_state, state)
             tokens = np.asarray(state.input_ids[: state.n_tokens], dtype=np.int32)
             known = host_only_known(state)
-            self.controller.memory.adopt_memory(tokens if known is None else tokens[:known])
+            self.controller.adopt_memory(tokens if known is None else tokens[:known])
             self._reconcile()
 
     def set_cache(self, cache: BaseLlamaCache | None) -> None:

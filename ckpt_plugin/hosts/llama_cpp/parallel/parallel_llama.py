@@ -391,8 +391,8 @@ class ParallelLlama:
         """Put slot ``slot_id``'s state into the cache for the generations waiting for its prefix (on its thread)."""
         controller = self.manager.slots[slot_id]
         try:
-            if not controller.memory.opaque:
-                controller.memory.save_to_cache()
+            if not controller.holds_outside_writes:
+                controller.save_to_cache()
         except Exception:  # the waiters evaluate the prefix themselves
             log.exception("slot %d: its state could not be parked for the prompts waiting for it", slot_id)
 
@@ -411,9 +411,10 @@ class ParallelLlama:
                 if self.leases.busy(slot_id) or controller.busy:
                     continue
                 log.info("slot %d: the pool of KV cells is full; its conversation goes to the cache", slot_id)
-                if controller.slot.n_tokens >= self.manager.settings.cache_min_tokens and not controller.memory.opaque:
+                if (controller.slot.n_tokens >= self.manager.settings.cache_min_tokens
+                        and not controller.holds_outside_writes):
                     try:
-                        controller.memory.save_to_cache()
+                        controller.save_to_cache()
                     except Exception:  # the conversation is lost to the cache, not the step to the other slots
                         log.exception("slot %d: its state could not be parked", slot_id)
                 controller.clear_slot()
