@@ -156,13 +156,21 @@ def test_reading_puts_state_bytes_in_pool_buffers_not_the_heap(tmp_path: Path) -
     entry = factories.entry(np.arange(4), state=big)
     path = tmp_path / "big"
     size = write_entry(path, entry, model_fingerprint=FP)
-    pool = StateBufferPool(0, spares=False)
-    tracemalloc.start()
-    try:
-        read = read_entry(path, pool=pool)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peaks, reads = [], []
+    # tracemalloc counts every thread's allocations: another thread's can land in the window, so the read is
+    # measured up to three times (a read that allocates the state on the heap does so every time).
+    for _ in range(3):
+        pool = StateBufferPool(0, spares=False)
+        tracemalloc.start()
+        try:
+            reads.append((read_entry(path, pool=pool), pool))
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        if peaks[-1] < SLACK:
+            break
+    peak = min(peaks)
+    read, pool = reads[peaks.index(peak)]
     assert peak < SLACK, f"reading a {size}-byte file allocated {peak} bytes on the heap"
     assert pool.mapped == 1, "the state went into one buffer of the given pool"
     assert read.state.target.nbytes == 32 << 20 and int(read.state.target[-1]) == 7
@@ -361,11 +369,16 @@ def test_forged_huge_lengths_are_refused_before_allocating(tmp_path: Path) -> No
                 forged[offset:offset + width] = value.to_bytes(width, "little")
                 forged = reseal(forged)
                 path.write_bytes(forged)
-                tracemalloc.reset_peak()
-                before = tracemalloc.get_traced_memory()[0]
-                with pytest.raises(CorruptFileError) as info:
-                    read_entry(path)
-                assert tracemalloc.get_traced_memory()[1] - before < len(data) + SLACK
+                grown = []
+                for _ in range(3):  # another thread's allocation can land in the window: measured again
+                    tracemalloc.reset_peak()
+                    before = tracemalloc.get_traced_memory()[0]
+                    with pytest.raises(CorruptFileError) as info:
+                        read_entry(path)
+                    grown.append(tracemalloc.get_traced_memory()[1] - before)
+                    if grown[-1] < len(data) + SLACK:
+                        break
+                assert min(grown) < len(data) + SLACK
                 assert "offset" in str(info.value)
     finally:
         tracemalloc.stop()
