@@ -75,7 +75,7 @@ class Outcome:
         return sorted(t.ttft for t in self.turns if t.turn > 0 and t.ttft is not None)
 
 
-ONLY_WHEN_NAMED = {"p8u", "ls8u"}
+ONLY_WHEN_NAMED = {"p8u", "ls8u", "p4w"}
 """Servers run only when ``--servers`` names them."""
 
 
@@ -91,7 +91,10 @@ def servers(model: str, host_alone: bool, fixed: bool = False, unified: int = 0)
     ours = [python, "-m", "ckpt_plugin_integrations.llama_cpp_server", *settings, "--chat_format", chat_format,
             "--admin", "true"]  # /checkpoints/stats: the states held at the end
     out = [Config("p1", "ckpt-serve --parallel 1", [*ours, "--parallel", "1"], ckpt=True),
-           Config("p4", "ckpt-serve --parallel 4", [*ours, "--parallel", "4"], ckpt=True)]
+           Config("p4", "ckpt-serve --parallel 4", [*ours, "--parallel", "4"], ckpt=True),
+           # states kept whole (as before pages): what pages change, side by side
+           Config("p4w", "ckpt-serve --parallel 4 --page-positions 0", [*ours, "--parallel", "4",
+                                                                         "--page-positions", "0"], ckpt=True)]
     if unified:  # one pool of ``unified`` cells: --n_ctx is the pool's size
         pooled = [*ours, "--parallel", "4", "--kv-unified", "true", "--n_ctx", str(unified)]
         out.append(Config("p4u", f"ckpt-serve --parallel 4 --kv-unified --n_ctx {unified}", pooled, ckpt=True))

@@ -157,7 +157,7 @@ def open_context() -> Context:
 
 def drop_reused_capture(manager: ckpt_plugin.CheckpointManager) -> None:
     """Forget the full capture ``save()`` reuses while the slot does not change, as a change of the slot would."""
-    manager.slots[0].memory.drop_full_capture()
+    manager.controllers[0].memory.drop_full_capture()
 
 
 def save_changed(manager: ckpt_plugin.CheckpointManager) -> ckpt_plugin.CacheEntry:
@@ -209,7 +209,7 @@ def measure_capture(c: Context, other: Llama, repeats: int) -> dict[str, Samples
         "llama_state_seq_get_size_ext (partial)": lambda: llama_cpp.llama_state_seq_get_size_ext(
             c.ctx, 0, state_flags(True)
         ),
-        "memory.capture(partial=False)": replacing(lambda: m.slots[0].memory.capture(partial=False)),
+        "memory.capture(partial=False)": replacing(lambda: m.controllers[0].memory.capture(partial=False)),
         "manager.save() (changed slot)": forced_save(m),
         "raw get full, preallocated buffer": raw_get(c.ctx, warm_buffer(c.full_bytes), False),
         "raw get full, fresh np.empty": replacing(lambda: _get_into_fresh(c.ctx, c.full_bytes, False)),
@@ -225,10 +225,10 @@ def measure_restore(c: Context, repeats: int) -> dict[str, Samples]:
     for check in (raw_set(c.ctx, checkpoint.target, True), raw_set(c.ctx, entry.state.target, False)):
         assert check() > 0, "llama.cpp refused a state it just produced"
     cases: dict[str, Case | Callable[[], object]] = {
-        "memory.restore(checkpoint) (partial)": lambda: m.slots[0].memory.restore(checkpoint),
+        "memory.restore(checkpoint) (partial)": lambda: m.controllers[0].memory.restore(checkpoint),
         "raw set partial, same buffer": raw_set(c.ctx, checkpoint.target, True),
         "manager.load(entry) (full)": lambda: m.primary.load(entry),
-        "memory.restore(entry.state) (full)": lambda: m.slots[0].memory.restore(entry.state),
+        "memory.restore(entry.state) (full)": lambda: m.controllers[0].memory.restore(entry.state),
         "raw set full, same buffer": raw_set(c.ctx, entry.state.target, False),
     }
     return measure(cases, repeats)
@@ -295,10 +295,10 @@ def measure_memory(c: Context) -> list[MemoryRow]:
 
     ops: list[tuple[str, int, tuple[Callable[[], object], Callable[[object], int | None]]]] = [
         ("manager.checkpoint() (partial)", c.partial_bytes, by_manager(m.primary.checkpoint)),
-        ("memory.capture(partial=False)", c.full_bytes, by_manager(lambda: m.slots[0].memory.capture(partial=False))),
+        ("memory.capture(partial=False)", c.full_bytes, by_manager(lambda: m.controllers[0].memory.capture(partial=False))),
         ("manager.save() (changed slot)", c.full_bytes, by_manager(lambda: save_changed(m))),
         ("manager.save() (unchanged slot)", c.full_bytes, by_manager(m.primary.save)),
-        ("memory.restore(checkpoint) (partial)", c.partial_bytes, by_manager(lambda: m.slots[0].memory.restore(checkpoint))),
+        ("memory.restore(checkpoint) (partial)", c.partial_bytes, by_manager(lambda: m.controllers[0].memory.restore(checkpoint))),
         ("manager.load(entry) (full)", c.full_bytes, by_manager(lambda: m.primary.load(entry))),
         ("raw get partial, preallocated buffer", c.partial_bytes,
          by_raw(raw_get(c.ctx, warm_buffer(c.partial_bytes), True))),

@@ -21,6 +21,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from ckpt_plugin.core.buffers import SPARE_MAPPER
+from ckpt_plugin.core.pages import PagedState
 
 __all__ = [
     "Checkpoint",
@@ -268,7 +269,11 @@ _NO_EXTRA: Mapping[str, StateBuffer] = MappingProxyType({})
 
 @dataclass(frozen=True, slots=True, eq=False, init=False)
 class Checkpoint:
-    """An immutable snapshot of one sequence's state at a position.
+    """An immutable capture of one sequence at one position (docs/design.md, "Words").
+
+    ``partial`` says what it holds: only the part a truncation cannot rebuild (the sliding window, the recurrent
+    state), as the checkpoints a slot keeps along its lineage; or the whole sequence state (a *full state*), as every
+    cache entry's ``state``. Both are this one type, restored the same way.
 
     Two checkpoints are equal only if they are the same object: identity is what sharing is about.
 
@@ -276,8 +281,9 @@ class Checkpoint:
     :ivar pos_min: Smallest position the snapshot's memory still held (the sliding window's start), -1 if empty.
     :ivar pos_max: Largest position held (``n_tokens - 1``).
     :ivar partial: ``True`` if only the part that cannot be truncated was captured (``PARTIAL_ONLY``: the sliding
-        window or the recurrent state); ``False`` for the full sequence state.
-    :ivar target: The target context's state bytes.
+        window or the recurrent state); ``False`` for the whole sequence state (a full state).
+    :ivar target: The target context's state: its bytes, or the pages holding them (a :class:`PagedState`, see
+        :mod:`ckpt_plugin.core.pages`; :meth:`target_bytes` gives the bytes either way).
     :ivar fingerprint: The model/context fingerprint the state belongs to.
     :ivar extra: Companion states by name (a read-only mapping, in name order): what plugins contributed through
         ``on_checkpoint_capture`` (:data:`DRAFT`, :data:`SPECULATIVE`, a plugin's own name).
@@ -287,11 +293,12 @@ class Checkpoint:
     pos_min: int
     pos_max: int
     partial: bool
-    target: StateBuffer = field(repr=False)
+    target: StateBuffer | PagedState = field(repr=False)
     fingerprint: str = field(repr=False)
     extra: Mapping[str, StateBuffer] = field(repr=False)
 
-    def __init__(self, *, n_tokens: int, pos_min: int, pos_max: int, partial: bool, target: StateBuffer,
+    def __init__(self, *, n_tokens: int, pos_min: int, pos_max: int, partial: bool,
+                 target: StateBuffer | PagedState,
                  fingerprint: str, extra: Mapping[str, StateBuffer] | None = None,
                  draft: StateBuffer | None = None, speculative: StateBuffer | None = None) -> None:
         """``draft`` and ``speculative`` are shorthands for those names of ``extra`` (and win over them)."""
@@ -302,7 +309,7 @@ class Checkpoint:
         setter(self, "partial", partial)
         setter(self, "target", target)
         setter(self, "fingerprint", fingerprint)
-        if target is not None and target.flags.writeable:
+        if isinstance(target, np.ndarray) and target.flags.writeable:
             raise ValueError("checkpoint target buffer must be frozen read-only before it is shared")
         if not extra and draft is None and speculative is None:
             setter(self, "extra", _NO_EXTRA)  # the usual capture: no mapping built
@@ -327,12 +334,28 @@ class Checkpoint:
         """The speculative decoder's state bytes (``extra["speculative"]``), if a plugin contributed them."""
         return self.extra.get(SPECULATIVE)
 
+    @property
+    def paged(self) -> bool:
+        """Whether the target state is held as pages."""
+        return isinstance(self.target, PagedState)
+
+    def target_bytes(self) -> StateBuffer:
+        """The target state's bytes: the buffer itself, or the pages assembled into a new read-only buffer."""
+        target = self.target
+        return target.materialize() if isinstance(target, PagedState) else target
+
     def buffers(self) -> Iterator[StateBuffer]:
-        """Yield every state buffer of this checkpoint: the target, then the extra states in name order."""
-        yield self.target
+        """Yield every state buffer of this checkpoint: the target (each of its pages, if paged), then the extra
+        states in name order."""
+        target = self.target
+        if isinstance(target, PagedState):
+            yield from target.parts()
+        else:
+            yield target
         yield from self.extra.values()
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by this checkpoint's buffers."""
+        """Bytes of this checkpoint's states as llama.cpp reads them (pages other states hold too counted in full:
+        :meth:`buffers` gives what is held once)."""
         return int(self.target.nbytes + sum(buffer.nbytes for buffer in self.extra.values()))

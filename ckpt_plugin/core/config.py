@@ -134,6 +134,11 @@ class CheckpointSettings(BaseSettings):
         "hybrid models (a checkpoint holds only the recurrent state). llama.cpp uses 8192, sized for long contexts.",
     )
     cache_max_bytes: int = Field(DEFAULT_MAX_BYTES, ge=0, description="Prompt-cache byte budget (unique bytes).")
+    page_positions: int = Field(
+        32, ge=0, le=4096,
+        description="Positions a page of a stored state covers: states are kept as pages identified by their "
+        "content, each stored once however many checkpoints, entries and tiers hold it; 0 keeps every state whole.",
+    )
     cache_max_tokens: int | None = Field(None, ge=0, description="Prompt-cache token budget; None for none.")
     cache_min_tokens: int = Field(
         32, ge=1, description="A slot state shorter than this is not worth a cache entry when the slot switches."

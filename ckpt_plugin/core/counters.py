@@ -58,6 +58,13 @@ class Counters:
     # positions (in tokens_evaluated too): a follow-up about an image the memory or a store holds adds none.
     media_chunks: int = 0
     media_positions: int = 0
+    # Pages of captured states: copied out of a capture (a run of cells no stored state held yet), or referenced
+    # where a live state held them already; captures kept whole (a layout the pager does not know, or no cells).
+    pages_stored: int = 0
+    pages_shared: int = 0
+    page_bytes_stored: int = 0
+    page_bytes_shared: int = 0
+    states_kept_whole: int = 0
 
     def __post_init__(self) -> None:
         # An attribute, not a field: fields(), asdict() and == see only the counts.

@@ -17,10 +17,11 @@ DEFAULT_MAX_BYTES = 2 << 30
 
 @dataclass(eq=False)
 class CacheEntry:
-    """A cached prompt state: the full sequence state plus the checkpoints of its lineage.
+    """A cached prompt state: its full state plus the partial checkpoints of its lineage (both
+    :class:`~ckpt_plugin.core.checkpoint.Checkpoint`, told apart by ``partial``).
 
     :ivar tokens: Read-only ``int32`` token ids the state holds.
-    :ivar state: The full (non-partial) state checkpoint.
+    :ivar state: The full state: a checkpoint with ``partial`` false, holding the whole sequence at ``tokens``' end.
     :ivar checkpoints: Partial checkpoints of the lineage, oldest first (shared with slots and other entries).
     :ivar namespace: The tenant partition.
     """

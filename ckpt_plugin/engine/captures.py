@@ -19,8 +19,10 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from ckpt_plugin.core.checkpoint import Checkpoint, ExtraState, StateBuffer, freeze
+from ckpt_plugin.core.pages import PagedState
 from ckpt_plugin.core.errors import IncompatibleStateError, StateRestoreError
 from ckpt_plugin.core.memory import MemoryKind, PartialSizes, partial_cells
+from ckpt_plugin.engine.paging import StatePager
 
 if TYPE_CHECKING:
     from ckpt_plugin.plugins.engine_hooks import EngineHooks
@@ -44,11 +46,13 @@ class Captures:
     :param store: Its RAM tier's pool gives the buffers; its budget shrinks when an allocation fails.
     :param counters: Bytes copied, failures.
     :param hooks: ``on_capture_failed`` and ``on_checkpoint_capture``.
+    :param page_positions: Positions a page of a captured state covers (0: states stay whole).
     """
 
     def __init__(self, kind: MemoryKind, fingerprint: str, store: TieredStore, counters: Counters,
-                 hooks: EngineHooks) -> None:
+                 hooks: EngineHooks, page_positions: int = 0) -> None:
         self.kind = kind
+        self.pager = StatePager(kind, fingerprint, page_positions, counters)
         self.fingerprint = fingerprint
         self.store = store
         self.counters = counters
@@ -84,7 +88,7 @@ class Captures:
             pos_min=self.kind.restored_pos_min(pos_min, pos_max),
             pos_max=pos_max,
             partial=partial,
-            target=freeze(buffer),
+            target=self.pager.page(freeze(buffer), slot.tokens, slot.namespace, partial),
             fingerprint=self.fingerprint,
             extra=_by_name(extras) if extras else None,
         )
@@ -155,7 +159,10 @@ class Captures:
         :raises StateRestoreError: llama.cpp refused it; the sequence is then undefined (the caller clears it).
         """
         self.check_fingerprint(checkpoint.fingerprint)
-        read = int(backend.write_state(checkpoint.target, checkpoint.partial))
+        target = checkpoint.target
+        if isinstance(target, PagedState):  # assembled into a recycled buffer that lives for this restore only
+            target = target.assemble(self.store.ram.pool.allocate(target.nbytes))
+        read = int(backend.write_state(target, checkpoint.partial))
         if read != checkpoint.target.nbytes:
             raise StateRestoreError(
                 f"llama.cpp refused the state ({read} of {checkpoint.target.nbytes} bytes read); the slot was cleared"

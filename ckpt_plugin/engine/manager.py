@@ -1,7 +1,7 @@
 """The engine: the slots of one model context over one store, with the hooks, counters and settings they share.
 
 A :class:`CheckpointManager` holds one :class:`~ckpt_plugin.engine.slot_controller.SlotController` per sequence id of its
-context (``slots``; a host's single ``Llama`` has one), the :class:`~ckpt_plugin.tiers.store.TieredStore` every slot shares,
+context (``controllers``, indexed by slot id; a host's single ``Llama`` has one), the :class:`~ckpt_plugin.tiers.store.TieredStore` every slot shares,
 the plugin manager and the counters. Each slot prepares prompts and evaluates tokens on its own sequence; checkpoints
 and cache entries are immutable and shared by reference between the slots and the tiers. The one-slot API is
 :attr:`~CheckpointManager.primary` (``manager.primary.prepare``, ``.process``, ``.save``, ``.load``, ...): slot 0,
@@ -30,6 +30,7 @@ from ckpt_plugin.plugins.engine_hooks import EngineHooks, ProjectPlugins
 from ckpt_plugin.plugins.hookspecs import PROJECT_NAME
 from ckpt_plugin.policy.schedule import CheckpointRules, default_min_step
 from ckpt_plugin.tiers.shared.tier import SharedTier
+from ckpt_plugin.core.renamed import Renamed
 from ckpt_plugin.core.slot import Backend
 from ckpt_plugin.engine.slot_controller import SlotController
 from ckpt_plugin.engine.store_events import EngineStoreEvents
@@ -60,7 +61,7 @@ class _OnPrimary:
         if manager is None:
             return self
         warnings.warn(f"CheckpointManager.{self.name} is deprecated: use manager.primary.{self.name} "
-                      f"(or manager.slots[i].{self.name})", DeprecationWarning, stacklevel=2)
+                      f"(or manager.controllers[i].{self.name})", DeprecationWarning, stacklevel=2)
         return getattr(manager.primary, self.name)
 
 
@@ -75,7 +76,7 @@ class CheckpointManager:
     :param disk: A disk tier to share likewise; by default one in ``settings.disk_dir`` if that is set.
     :param shared: A shared tier (Redis); by default the process's one for ``settings.redis_url`` if that is set.
     :param more_slots: The sequences of slots 1, 2, ... of the same context (same model fingerprint).
-    :ivar slots: The slots, by id.
+    :ivar controllers: The slots' controllers, by slot id (``controllers[slot.id]`` serves ``slot``).
     """
 
     def __init__(
@@ -112,9 +113,10 @@ class CheckpointManager:
         # The store reports to the hooks and counters, never to the manager itself.
         self.store = TieredStore(cache, disk, EngineStoreEvents(self.hooks, self.counters),
                                  shared or TIERS.shared(settings))
-        self.captures = Captures(self.kind, backend.fingerprint, self.store, self.counters, self.hooks)
+        self.captures = Captures(self.kind, backend.fingerprint, self.store, self.counters, self.hooks,
+                                 self.settings.page_positions)
         self._clearing = threading.Lock()  # one clear_cache at a time (see there)
-        self.slots = [
+        self.controllers = [
             SlotController(slot_id=slot_id, backend=slot_backend, settings=self.settings, rules=self.rules,
                            store=self.store, counters=self.counters, hooks=self.hooks, captures=self.captures)
             for slot_id, slot_backend in enumerate((backend, *more_slots))
@@ -147,8 +149,12 @@ class CheckpointManager:
 
     @property
     def primary(self) -> SlotController:
-        """Slot 0, the slot of an attached ``Llama`` (``slots[0]``): its verbs are the one-slot API."""
-        return self.slots[0]
+        """Slot 0's controller, the slot of an attached ``Llama`` (``controllers[0]``): its verbs are the one-slot
+        API."""
+        return self.controllers[0]
+
+    # Deprecated for one release: the controllers' list under the records' name ("slot" is the Slot record).
+    slots = Renamed("controllers")
 
     # Deprecated for one release: slot 0's verbs under the manager's name, now ``manager.primary.<name>``.
     slot = _OnPrimary()
@@ -175,12 +181,12 @@ class CheckpointManager:
         the cache used so far move over (within the new budget)."""
         if cache is not self.cache:
             old = self.store.ram
-            for controller in self.slots:
+            for controller in self.controllers:
                 old.pin(controller.slot, ())
             self.store.ram = cache
             for entry in old.clear():
                 self.store.admit(entry, write_through=False)
-            for controller in self.slots:
+            for controller in self.controllers:
                 controller.memory.pin()
         if disk is not None:
             self.store.disk = disk
@@ -216,16 +222,16 @@ class CheckpointManager:
                 with contextlib.ExitStack() as held:
                     # The slots to empty first, each once idle, then the others (only this method holds several
                     # slots' locks at once, one call at a time: no other order to deadlock with).
-                    mine = [c for c in self.slots if in_scope(c)]
+                    mine = [c for c in self.controllers if in_scope(c)]
                     for controller in mine:
                         self._hold_when_idle(controller, namespace, deadline, held)
-                    for controller in self.slots:
+                    for controller in self.controllers:
                         if controller not in mine:
                             held.enter_context(controller.lock)
-                    if any(c.busy and in_scope(c) for c in self.slots):
+                    if any(c.busy and in_scope(c) for c in self.controllers):
                         continue  # a generation of the tenant started on another slot meanwhile: wait for it too
                     emptied = 0
-                    for controller in self.slots:
+                    for controller in self.controllers:
                         if in_scope(controller):
                             controller.reconcile()
                             emptied += int(controller.slot.n_tokens > 0 or bool(controller.slot.checkpoints))
@@ -274,21 +280,21 @@ class CheckpointManager:
 
     def save_slot(self, path: str | os.PathLike[str], namespace: str | None = None, slot_id: int = 0) -> dict[str, Any]:
         """Write slot ``slot_id`` to a slot file (see :func:`ckpt_plugin.services.slot_files.save_slot`)."""
-        return save_slot(self.slots[slot_id], path, namespace)
+        return save_slot(self.controllers[slot_id], path, namespace)
 
     def restore_slot(
         self, path: str | os.PathLike[str], namespace: str | None = None, slot_id: int = 0
     ) -> dict[str, Any]:
         """Restore slot ``slot_id`` from a slot file (see :func:`ckpt_plugin.services.slot_files.restore_slot`)."""
-        return restore_slot(self.slots[slot_id], path, namespace)
+        return restore_slot(self.controllers[slot_id], path, namespace)
 
     def erase_slot(self, namespace: str | None = None, slot_id: int = 0) -> dict[str, Any]:
         """Empty slot ``slot_id`` if it holds ``namespace``'s state (see :func:`ckpt_plugin.services.slot_files.erase_slot`)."""
-        return erase_slot(self.slots[slot_id], namespace)
+        return erase_slot(self.controllers[slot_id], namespace)
 
     def flush(self) -> None:
         """Put every live slot into the cache (and so into the disk tier), e.g. before the process exits."""
-        for controller in self.slots:
+        for controller in self.controllers:
             with controller.lock:
                 controller.reconcile()
                 if controller.slot.n_tokens >= self.settings.cache_min_tokens:
@@ -296,6 +302,6 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Drop the slots' checkpoints and tell the plugins the manager is going away."""
-        for controller in self.slots:
+        for controller in self.controllers:
             controller.memory.close()
         self.hooks.call(self.hooks.hook.on_detach)

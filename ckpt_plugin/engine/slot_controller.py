@@ -25,7 +25,7 @@ from ckpt_plugin.core.config import CheckpointSettings
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.slot import Backend, Slot
 from ckpt_plugin.tiers.cost_probes import CostProbe, live_keep
-from ckpt_plugin.policy.costs import PlanClock
+from ckpt_plugin.policy.plan_record import PlanClock
 from ckpt_plugin.core.errors import StateRestoreError
 from ckpt_plugin.core.memory import MemoryKind
 from ckpt_plugin.policy.plan import LiveMemory, Plan, keep_limit, plan_prompt
@@ -268,7 +268,7 @@ class SlotController:
             log.info("re-processing %d tokens the memory shared with the prompt: %s", live.n_common - kept, reason)
             self.hooks.call(self.hooks.hook.on_full_reprocess, slot=self.slot, n_common=live.n_common, reason=reason)
         if entry is None and live.n_keep < keep_limit(len(prompt)) and not just_loaded and not plan.by_cost \
-                and plan.share is None:
+                and plan.peer is None:
             self.memory.count_lookup(hit=False)
 
     def _time_plan(self, plan: Plan[CacheEntry], prompt: np.ndarray, n_keep: int, started: float) -> None:
@@ -420,4 +420,4 @@ class SlotController:
             clock.seconds += seconds
             if end >= clock.prompt_end:
                 self.plan_clock = None
-                self.costs.record_plan(clock)
+                self.costs.plan_record.add(clock)

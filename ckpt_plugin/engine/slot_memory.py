@@ -24,6 +24,7 @@ from ckpt_plugin.core.errors import CaptureError, OpaqueMemoryError, StateRestor
 from ckpt_plugin.policy.eviction import checkpoints_to_erase, slot_checkpoint_limit
 from ckpt_plugin.core.memory import MemoryKind
 from ckpt_plugin.policy.plan import Candidate, Plan, swa_threshold
+from ckpt_plugin.core.renamed import Renamed
 from ckpt_plugin.core.slot import Backend, Slot
 
 if TYPE_CHECKING:
@@ -310,13 +311,15 @@ class SlotMemory:
             self.invalidate_after(rewritten_from)
         # The last full capture describes the old memory: do not keep its bytes alive for nothing.
         self._full_capture = None
-        self.publish()
+        self.offer_cells()
 
-    def publish(self) -> None:
+    def offer_cells(self) -> None:
         """Tell a backend whose cells other sequences may share what they hold now (record and memory agree)."""
-        publish = getattr(self.backend, "publish", None)
-        if publish is not None:
-            publish(self.slot.namespace, self.slot.tokens)
+        offer = getattr(self.backend, "offer_cells", None)
+        if offer is not None:
+            offer(self.slot.namespace, self.slot.tokens)
+
+    publish = Renamed("offer_cells")  # deprecated: "publish" is the shared tier's word (docs/design.md, "Words")
 
     def drop_full_capture(self) -> None:
         """Release the latest full capture kept for :meth:`save` (the next save captures the memory again)."""
@@ -329,7 +332,7 @@ class SlotMemory:
     def restored(self, seconds: float, checkpoint: Checkpoint | None, entry: CacheEntry | None) -> None:
         """A restore of ``entry`` and/or ``checkpoint`` took ``seconds``: time it, count it, tell the plugins."""
         self.last_restore_seconds = seconds
-        self.publish()
+        self.offer_cells()
         self.counters.add(restore_seconds=seconds)
         self.hooks.call(self.hooks.hook.on_slot_restore, slot=self.slot, checkpoint=checkpoint, entry=entry,
                         n_tokens=self.slot.n_tokens)
@@ -349,8 +352,8 @@ class SlotMemory:
             if n_keep < slot.n_tokens:
                 memory.cut(n_keep)
             return
-        if plan.share is not None:
-            memory.share(plan.share, n_keep)
+        if plan.peer is not None:
+            memory.share(plan.peer, n_keep)
             return
         started = time.perf_counter()
         if entry is not None:

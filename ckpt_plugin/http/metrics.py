@@ -54,6 +54,11 @@ COUNTERS = {
     "media_chunks": "Media chunks (images, audio) encoded by the multimodal projector and decoded (a follow-up about "
                     "an image the memory or a store holds adds none)",
     "media_positions": "Positions those media chunks filled (counted in ckpt_tokens_evaluated_total too)",
+    "pages_stored": "Pages of captured states copied out of them (cells no live state held yet)",
+    "pages_shared": "Pages of captured states found live and referenced instead of copied",
+    "page_bytes_stored": "Bytes of the pages copied out of captured states",
+    "page_bytes_shared": "Bytes of the pages referenced instead of copied",
+    "states_kept_whole": "Captured states kept as one blob (a layout the pager does not know)",
 }
 SHARED_COUNTERS = {
     "hits": "Prompts served from a shared-tier entry",
@@ -69,6 +74,10 @@ SHARED_COUNTERS = {
     "write_drops": "Entries not written to the shared tier: queue full or server unavailable",
     "round_trips": "Round trips to the shared-tier server on the request path (lookups and fetches)",
     "write_round_trips": "Round trips to the shared-tier server of the write-behind thread",
+    "pages_written": "Pages written to the shared tier (the server lacked them)",
+    "pages_present": "Pages an entry names that the shared tier held already (not written again)",
+    "pages_read": "Pages read from the shared tier on fetches",
+    "pages_held": "Pages a fetch found live in this process instead of reading them",
 }
 SHARED_GAUGES = {
     "queue_depth": "Entries waiting to be written to the shared tier",
@@ -77,6 +86,9 @@ SHARED_GAUGES = {
 GAUGES = {
     "resident_bytes": "Bytes of unique state buffers held by slots and the cache",
     "referenced_bytes": "Bytes the same references would hold as copies",
+    "sharing_ratio": "referenced_bytes / resident_bytes: holders a stored byte serves on average",
+    "live_pages": "Pages of paged states alive in the process",
+    "live_page_bytes": "Bytes of the pages alive in the process, each counted once",
     "state_bytes": "State bytes the budget covers: entries, slot checkpoints and recycled buffers",
     "state_budget_bytes": "The state byte budget (--cache-max-bytes)",
     "pool_free_bytes": "Bytes of freed state buffers kept mapped for the next capture",
@@ -145,7 +157,7 @@ class SlotCollector:
 
     def collect(self) -> Iterator[Metric]:
         rows = [
-            (model, controller) for model, manager in dict(self._managers()).items() for controller in manager.slots
+            (model, controller) for model, manager in dict(self._managers()).items() for controller in manager.controllers
         ]
         values = {
             "busy": lambda controller: float(controller.busy),
@@ -238,7 +250,7 @@ class CostCollector:
         ratio = HistogramMetricFamily("ckpt_plan_time_ratio", "Actual / estimated time of each plan (its fetches, "
                                       "restore and the evaluation of the rest of the prompt)", labels=["model"])
         for model, costs in models.items():
-            buckets, _, total = costs.ratio_histogram()
+            buckets, _, total = costs.plan_record.ratio_histogram()
             ratio.add_metric([model], [("+Inf" if bound == float("inf") else str(bound), count)
                                        for bound, count in buckets], total)
         yield ratio
@@ -253,7 +265,7 @@ class RestoreLatency:
     @hookimpl
     def on_slot_restore(self, manager: CheckpointManager, slot: Any, checkpoint: object, entry: object,
                         n_tokens: int) -> None:
-        self._observe(manager.slots[slot.id].last_restore_seconds)
+        self._observe(manager.controllers[slot.id].last_restore_seconds)
 
 
 class Metrics:

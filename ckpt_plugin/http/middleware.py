@@ -9,6 +9,8 @@ It is a thin composition of one-job pieces:
 - :class:`~ckpt_plugin.http.body_limit.BodyLimitMiddleware`: every route refuses bodies over ``max_body_bytes`` (413);
 - :class:`~ckpt_plugin.http.routes.CheckpointRoutes`: ``/checkpoints``, ``/checkpoints/stats``, ``/metrics`` and
   ``/slots/{id}`` (see that module);
+- :class:`~ckpt_plugin.http.health.HealthRoutes`: llama-server's ``GET /health`` (with ``?fail_on_no_slot=1``, a
+  readiness answer), answered from flags and counters before anything else, never behind a lock or a slot;
 - :class:`~ckpt_plugin.http.tenants.Tenants`: the host's API key is checked on every ``POST`` before its body is read
   (401), and each request gets the namespace the server derives for it;
 - host routes named in ``guards`` (:mod:`ckpt_plugin.http.route_guard`; by default OpenAI's two completion routes): a
@@ -23,7 +25,7 @@ It is a thin composition of one-job pieces:
 - with parallel slots, generations wait for a slot in arrival order, and past a bounded queue get 503
   (:class:`~ckpt_plugin.http.admission_queue.AdmissionQueue`);
 - :class:`~ckpt_plugin.http.usage.UsageRewriter`: ``usage.prompt_tokens_details.cached_tokens`` on their responses;
-- with a shared tier, once a completion's response is sent, the live slot is offered to it
+- with a shared tier, once a completion's response is sent, the live slot is published to it
   (:func:`~ckpt_plugin.services.publishing.publish`), so the conversation's next turn can land on any replica.
 
 At ASGI lifespan shutdown, every manager's live slot is put into its cache (and disk tier, if configured), so a
@@ -46,6 +48,7 @@ from ckpt_plugin.http.admission_queue import AdmissionQueue, ServerBusy
 from ckpt_plugin.http.body_limit import BodyLimitMiddleware, BodyTooLarge, ClientDisconnect, error_response, read_body
 from ckpt_plugin.core.config import ServeSettings
 from ckpt_plugin.http.generation import Generation, replay_body
+from ckpt_plugin.http.health import HealthRoutes, idle_slots
 from ckpt_plugin.http.metrics import Metrics, ModelStats, live_stats
 from ckpt_plugin.core.request import RequestScope, current_request
 from ckpt_plugin.http.request_checks import (
@@ -82,6 +85,7 @@ class CheckpointMiddleware:
     :param model_stats: Returns ``stats()`` by model for ``/metrics`` and ``/checkpoints/stats``; by default the
         live managers'. A server that unloads models passes one that keeps listing them (ckpt-serve: their counters
         carry on across model switches).
+    :param loaded: Whether the model is loaded, for ``/health`` (503 while not); by default always.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class CheckpointMiddleware:
         guards: Mapping[str, RouteGuard] | None = None,
         admission: AdmissionQueue | None = None,
         model_stats: ModelStats | None = None,
+        loaded: Callable[[], bool] | None = None,
     ) -> None:
         self.app = app
         self.admission = admission
@@ -104,6 +109,7 @@ class CheckpointMiddleware:
         self.model_stats: ModelStats = model_stats or live_stats(self.managers)
         self.metrics = Metrics(self.managers, self.model_stats)
         self.routes = CheckpointRoutes(self.managers, self.settings, self.tenants, self.metrics, self.model_stats)
+        self.health = HealthRoutes(loaded or (lambda: True), lambda: idle_slots(self._slots_busy, admission))
         self._limited = BodyLimitMiddleware(self._dispatch, self.settings.max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,6 +123,9 @@ class CheckpointMiddleware:
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = _route_path(scope)
+        if HealthRoutes.handles(path):
+            await self.health(scope, receive, send)
+            return
         self._watch_managers()
         if CheckpointRoutes.handles(path, self.settings):
             await self.routes({**scope, "path": path, "root_path": ""}, receive, send)
@@ -199,7 +208,7 @@ class CheckpointMiddleware:
                 try:
                     publish(manager)
                 except Exception:  # the response is sent; the next turn merely misses the shared tier
-                    log.exception("offering the slot to the shared tier failed")
+                    log.exception("publishing the slot to the shared tier failed")
 
     def _flush_on_shutdown(self, receive: Receive) -> Receive:
         async def flushing_receive() -> Message:
@@ -210,6 +219,9 @@ class CheckpointMiddleware:
             return message
 
         return flushing_receive
+
+    def _slots_busy(self) -> list[bool]:
+        return [controller.busy for manager in unique_managers(self.managers()) for controller in manager.controllers]
 
     def _watch_managers(self) -> None:
         for name, manager in self.managers().items():

@@ -8,7 +8,7 @@
   the operator key). Admin only.
 - ``GET /metrics``: Prometheus text.
 - ``GET /slots``: every slot (``is_processing``, ``n_ctx``; ``n_tokens`` and ``n_checkpoints`` of the caller's own
-  state only).
+  state only); with ``?fail_on_no_slot=1``, llama-server's 503 while every slot is processing.
 - ``POST /slots/{id}?action=save|restore|erase`` with ``{"filename": ...}``: slot files in ``slot_save_path`` (in a
   subdirectory per tenant when namespaces are on); a tenant never reads, overwrites or lists another's files.
 
@@ -47,6 +47,7 @@ from ckpt_plugin.core.errors import (
     UnsafePathError,
 )
 from ckpt_plugin.engine.manager import CheckpointManager
+from ckpt_plugin.http.health import no_slot_available, wants_free_slot
 from ckpt_plugin.http.metrics import CONTENT_TYPE, Metrics, ModelStats, live_stats
 from ckpt_plugin.persist.paths import safe_path
 from ckpt_plugin.http.request_checks import RequestRejected, check_content_type
@@ -240,13 +241,15 @@ class CheckpointRoutes:
         namespace = self._scope_of(caller)
         views = []
         for name, manager in self.managers().items():
-            for controller in manager.slots:
+            for controller in manager.controllers:
                 slot = controller.slot
                 view: dict[str, Any] = {"id": slot.id, "model": name, "is_processing": controller.busy,
                                         "n_ctx": controller.backend.n_ctx}
                 if namespace is None or slot.namespace == namespace:
                     view.update(n_tokens=slot.n_tokens, n_checkpoints=len(list(slot.checkpoints)))
                 views.append(view)
+        if wants_free_slot(request.scope) and all(view["is_processing"] for view in views):
+            return no_slot_available()
         return JSONResponse(views)
 
     async def slots(self, request: Request, caller: Caller) -> Response:
@@ -255,11 +258,11 @@ class CheckpointRoutes:
             return error_response(400, "invalid_request", f"slot id must be a decimal number, got {slot_text!r}")
         managers = unique_managers(self.managers())
         slot_id = int(slot_text)
-        n_slots = len(managers[0].slots) if managers else 0
+        n_slots = len(managers[0].controllers) if managers else 0
         if slot_id >= n_slots:
             return error_response(404, "not_found", f"no slot {slot_id} (the loaded model has {n_slots})")
         manager = managers[0]
-        if manager.slots[slot_id].busy:
+        if manager.controllers[slot_id].busy:
             # A generation owns the slot's memory until its last token: a file action now would tear it.
             return error_response(409, "slot_busy", f"slot {slot_id} is generating; retry when it is idle")
         action = dict(parse_qsl(request.url.query)).get("action", "")

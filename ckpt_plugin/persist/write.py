@@ -194,7 +194,7 @@ def _entry_parts(entry: CacheEntry, model_fingerprint: str, file_flags: int) -> 
         extras = sorted(record.extra.items())  # name order: one entry, one encoding
         if len(extras) > MAX_EXTRAS:
             raise ValueError(f"record {index} has {len(extras)} extra states, more than the format's {MAX_EXTRAS}")
-        target = _check_blob(f"target of record {index}", record.target)
+        target = _check_blob(f"target of record {index}", record.target_bytes())
         flags = REC_PARTIAL if record.partial else 0
         encoded.append((STATE_RECORD.pack(STATE_KIND, flags, record.n_tokens, record.pos_min, record.pos_max,
                                     target.nbytes, len(extras), bytes(20)), target))

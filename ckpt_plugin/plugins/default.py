@@ -24,7 +24,7 @@ class DefaultPlugin:
 
     @hookimpl(trylast=True)
     def checkpoint_wanted(self, manager: EngineView, slot: Slot, position: int, prompt_end: int) -> bool:
-        controller = manager.slots[slot.id]
+        controller = manager.controllers[slot.id]
         return want_checkpoint(
             manager.kind, manager.rules, slot.checkpoints, position, prompt_end, controller.backend.pos_min(),
             controller.branch_point,
@@ -35,7 +35,7 @@ class DefaultPlugin:
         self, manager: EngineView, slot: Slot, start: int, end: int, prompt_end: int
     ) -> None:
         if manager.hooks.call(manager.hooks.hook.checkpoint_wanted, slot=slot, position=end, prompt_end=prompt_end):
-            manager.slots[slot.id].checkpoint()
+            manager.controllers[slot.id].checkpoint()
 
     @hookimpl(trylast=True)
     def on_cache_alloc(self, manager: EngineView, namespace: str, n_tokens: int, n_bytes: int) -> bool:

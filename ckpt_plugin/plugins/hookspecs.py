@@ -8,8 +8,8 @@ event, veto a cache allocation, pick eviction victims or replace the checkpoint 
 Conventions:
 
 - ``manager`` is always the calling engine, a :class:`~ckpt_plugin.engine.manager.CheckpointManager` (typed as the
-  :class:`~ckpt_plugin.plugins.view.EngineView` protocol); ``manager.slots[slot.id]`` is the slot's
-  :class:`~ckpt_plugin.plugins.view.SlotView` (its sequence, ``checkpoint()``, ``branch_point``).
+  :class:`~ckpt_plugin.plugins.view.EngineView` protocol); ``manager.controllers[slot.id]`` is the slot's
+  controller, a :class:`~ckpt_plugin.plugins.view.SlotView` (its sequence, ``checkpoint()``, ``branch_point``).
 - ``slot`` is the :class:`~ckpt_plugin.core.slot.Slot` concerned; treat it as read-only.
 - Positions and token counts are in tokens from the start of the sequence.
 - An exception raised by an implementation is re-raised as :class:`~ckpt_plugin.core.errors.PluginError` naming the plugin
@@ -113,7 +113,7 @@ def checkpoint_wanted(
 
     Stops at the first non-``None`` result. The default plugin answers last with the rules of
     :func:`ckpt_plugin.policy.schedule.want_checkpoint` (the step grid, the closing checkpoint, and the prompt's branch point,
-    ``manager.slots[slot.id].branch_point``); return ``True`` or ``False`` to replace them.
+    ``manager.controllers[slot.id].branch_point``); return ``True`` or ``False`` to replace them.
 
     :param manager: The calling manager.
     :param slot: The slot (``slot.n_tokens == position``).
@@ -129,9 +129,9 @@ def on_checkpoint_capture(
 ) -> ExtraState | None:
     """Contribute companion state to a checkpoint being created (all results are collected).
 
-    Called right after the target state of a checkpoint or cache entry was captured. The result is stored with the
-    checkpoint under its name (``checkpoint.extra[name]``) and travels with it through every tier (RAM, disk files,
-    the shared tier), to come back in :func:`on_slot_restore`. A draft-model plugin returns
+    Called right after a checkpoint's target state was captured (a partial one, or a cache entry's full state). The
+    result is stored with the checkpoint under its name (``checkpoint.extra[name]``) and travels with it through
+    every tier (RAM, disk files, the shared tier), to come back in :func:`on_slot_restore`. A draft-model plugin returns
     ``ExtraState("draft", data)`` with its context's state, a speculative decoder ``ExtraState("speculative",
     data)``, any other plugin ``ExtraState("<its own name>", data)`` (see
     :data:`~ckpt_plugin.core.checkpoint.EXTRA_NAME`; one plugin per name: a name returned twice keeps the first answer).
@@ -142,7 +142,8 @@ def on_checkpoint_capture(
     :param manager: The calling manager.
     :param slot: The slot being captured.
     :param n_tokens: Tokens in memory at capture time.
-    :param partial: ``True`` for a checkpoint (only the part that cannot be truncated), ``False`` for a full state.
+    :param partial: ``True`` for a partial checkpoint (only the part that cannot be truncated), ``False`` for a full
+        state (the whole sequence: a cache entry's).
     :return: An :class:`~ckpt_plugin.core.checkpoint.ExtraState` or ``None``.
     """
 

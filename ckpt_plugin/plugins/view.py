@@ -26,7 +26,8 @@ __all__ = ["EngineView", "SlotView"]
 
 
 class SlotView(Protocol):
-    """One slot of an engine: its sequence, its memory and what may be done to it.
+    """One slot's controller, as plugins and services see it: the slot's record, its sequence and what may be done
+    to them.
 
     :ivar slot: Tokens, lineage and checkpoints (read-only for plugins).
     :ivar backend: The sequence in the model context.
@@ -63,7 +64,7 @@ class SlotView(Protocol):
 class EngineView(Protocol):
     """An engine: slots over one store, with settings, rules, counters and plugins they share.
 
-    :ivar slots: The slots, by id (``slot.id`` indexes it).
+    :ivar controllers: The slots' controllers, by slot id (``slot.id`` indexes it).
     :ivar hooks: Calls the plugins' hooks with ``manager`` bound (:class:`~ckpt_plugin.plugins.engine_hooks.EngineHooks`).
     """
 
@@ -74,7 +75,7 @@ class EngineView(Protocol):
     store: TieredStore
     plugins: Any
     hooks: Any
-    slots: Sequence[SlotView]
+    controllers: Sequence[SlotView]
 
     @property
     def fingerprint(self) -> str: ...

@@ -7,7 +7,8 @@ Two parts, both without llama.cpp or a clock:
   schedule (:mod:`ckpt_plugin.policy.schedule`) are pure functions of a prompt, its candidates and a ``Rates``.
 - :class:`CostModel`: an engine's learner. The engine reports what it measured (a decode, a restore, a capture, a
   tier's round trip or fetch); the model keeps the rates as exponentially weighted moving averages and hands out a
-  ``Rates`` snapshot. It also keeps the record of plans: estimated against actual time.
+  ``Rates`` snapshot. Its record of plans, estimated against actual time, is
+  :class:`~ckpt_plugin.policy.plan_record.PlanRecord`.
 
 Calibration. An engine starts from :data:`DEFAULT_RATES`, which are CPU-like (evaluation far dearer than copying,
 so a fresh engine plans exactly as one that keeps the most tokens), and the first observation of each rate replaces
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from ckpt_plugin.policy.plan_record import PlanRecord
+
 __all__ = [
     "CostModel",
     "DEFAULT_RATES",
@@ -39,7 +42,6 @@ __all__ = [
     "LOOKUP_SHARE",
     "MIN_RATE_BYTES",
     "MIN_SAVING",
-    "PlanClock",
     "RAM",
     "Rates",
     "SHARED",
@@ -85,10 +87,6 @@ LATENCY_SAMPLES = 3
 is no fixed cost either."""
 MIN_RATE_BYTES = 1 << 20
 """Smallest transfer a bandwidth is learned from."""
-RATIO_BUCKETS: tuple[float, ...] = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
-"""Upper bounds of the histogram of actual / estimated plan time."""
-RECENT_PLANS = 16
-"""Plans whose estimate and outcome :meth:`CostModel.snapshot` lists."""
 
 
 def clearly_cheaper(most_tokens_seconds: float, cheaper_seconds: float) -> bool:
@@ -232,37 +230,6 @@ class _Transfer:
             self.bandwidth.observe(n_bytes / moving)
 
 
-@dataclass(kw_only=True)
-class PlanClock:
-    """One prompt's plan while it is carried out: its estimate and the time it has taken so far.
-
-    :ivar estimated: The plan's estimated seconds (fetch, restore, evaluation of the rest of the prompt).
-    :ivar prompt_end: The prompt's length: the plan is done once the slot holds that many tokens.
-    :ivar n_keep: Prompt tokens the plan kept.
-    :ivar most_tokens: Prompt tokens the plan keeping the most would have kept.
-    :ivar tier: Where its entry came from (``None``: the live memory).
-    :ivar by_cost: It keeps fewer tokens than it could because that is clearly faster.
-    :ivar fetches_skipped: Candidates of slower tiers it did not fetch (they could not be faster).
-    :ivar seconds: Measured so far: the lookup's fetches, the restore, the prompt's decode calls.
-    """
-
-    estimated: float
-    prompt_end: int
-    n_keep: int
-    most_tokens: int
-    tier: str | None
-    by_cost: bool
-    fetches_skipped: int = 0
-    seconds: float = 0.0
-
-    def outcome(self) -> dict[str, Any]:
-        """A JSON-able record of the plan and what it took."""
-        ratio = self.seconds / self.estimated if self.estimated > 0 else None
-        return {"estimated_seconds": self.estimated, "actual_seconds": self.seconds, "ratio": ratio,
-                "n_keep": self.n_keep, "most_tokens": self.most_tokens, "evaluated": self.prompt_end - self.n_keep,
-                "tier": None if self.tier is None else str(self.tier), "by_cost": self.by_cost}
-
-
 class CostModel:
     """An engine's measured rates and its record of plans; thread-safe (slots report from their own threads).
 
@@ -270,6 +237,7 @@ class CostModel:
     :param learn: Update the rates from observations (``False``: fixed rates, e.g. in tests).
     :ivar enabled: Plans and captures are weighed by the rates (the ``plan_by_cost`` setting); otherwise they keep the
         most tokens and take every checkpoint, and the rates are still learned and shown.
+    :ivar plan_record: The plans carried out, each estimate against what it took (the rates' own check).
     """
 
     def __init__(self, seed: Rates = DEFAULT_RATES, *, learn: bool = True) -> None:
@@ -283,16 +251,8 @@ class CostModel:
         self._full_bytes_per_token = _Average(seed.full_bytes_per_token)
         self._partial_bytes = _Average(float(seed.partial_bytes))
         self._rates: Rates | None = seed if not learn else None
-        self.plans = 0
-        self.plans_by_cost = 0
-        self.tokens_recomputed = 0
-        self.fetches_skipped = 0
         self.lookups_skipped = 0
-        self.estimated_seconds = 0.0
-        self.actual_seconds = 0.0
-        self._ratio_counts = [0] * (len(RATIO_BUCKETS) + 1)
-        self._ratio_sum = 0.0
-        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_PLANS)
+        self.plan_record = PlanRecord()
 
     # -- estimates ----------------------------------------------------------------------------------------------
 
@@ -360,28 +320,12 @@ class CostModel:
                 self._full_bytes_per_token.observe(n_bytes / n_tokens)
             self._rates = None
 
-    # -- plans --------------------------------------------------------------------------------------------------
+    # -- lookups ------------------------------------------------------------------------------------------------
 
     def skipped_lookup(self) -> None:
         """A slow tier was not asked: even its best answer could not have been faster."""
         with self._lock:
             self.lookups_skipped += 1
-
-    def record_plan(self, clock: PlanClock) -> None:
-        """A plan was carried out (``clock`` holds its estimate and what it took)."""
-        with self._lock:
-            self.plans += 1
-            self.fetches_skipped += clock.fetches_skipped
-            if clock.by_cost:
-                self.plans_by_cost += 1
-                self.tokens_recomputed += max(0, clock.most_tokens - clock.n_keep)
-            self.estimated_seconds += clock.estimated
-            self.actual_seconds += clock.seconds
-            if clock.estimated > 0:
-                ratio = clock.seconds / clock.estimated
-                self._ratio_counts[bisect.bisect_left(RATIO_BUCKETS, ratio)] += 1
-                self._ratio_sum += ratio
-            self._recent.append(clock.outcome())
 
     def _transfer_view(self, name: str, rate: TransferRate) -> dict[str, Any]:
         transfer = self._transfers.get(name)
@@ -389,19 +333,9 @@ class CostModel:
                 "latency_observations": len(transfer.latencies) if transfer is not None else 0,
                 "bandwidth_observations": transfer.bandwidth.count if transfer is not None else 0}
 
-    def ratio_histogram(self) -> tuple[list[tuple[float, int]], int, float]:
-        """``([(upper bound, cumulative count), ...], count, sum)`` of actual / estimated plan time (the last bound
-        is ``inf``)."""
-        with self._lock:
-            counts, total = list(self._ratio_counts), self._ratio_sum
-        cumulative, running = [], 0
-        for bound, count in zip((*RATIO_BUCKETS, float("inf")), counts):
-            running += count
-            cumulative.append((bound, running))
-        return cumulative, running, total
-
     def snapshot(self) -> dict[str, Any]:
-        """A JSON-able view: the rates, how many observations each rests on, and the plans' estimates and outcomes."""
+        """A JSON-able view: the rates, how many observations each rests on, and the plans' estimates and outcomes
+        (:meth:`~ckpt_plugin.policy.plan_record.PlanRecord.snapshot`)."""
         rates = self.rates()
         with self._lock:
             view: dict[str, Any] = {
@@ -413,18 +347,9 @@ class CostModel:
                 "transfers": {name: self._transfer_view(name, rate) for name, rate in rates.transfers.items()},
                 "full_state_bytes_per_token": rates.full_bytes_per_token,
                 "partial_state_bytes": rates.partial_bytes,
-                "plans": self.plans,
-                "plans_by_cost": self.plans_by_cost,
-                "tokens_recomputed_by_cost": self.tokens_recomputed,
-                "fetches_skipped_by_cost": self.fetches_skipped,
                 "lookups_skipped_by_cost": self.lookups_skipped,
-                "estimated_seconds": self.estimated_seconds,
-                "actual_seconds": self.actual_seconds,
-                "recent_plans": list(self._recent),
             }
-        buckets, count, total = self.ratio_histogram()
-        view["time_ratio"] = {"buckets": [["+Inf" if b == float("inf") else b, c] for b, c in buckets],
-                              "count": count, "sum": total}
+        view.update(self.plan_record.snapshot())
         return view
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from ckpt_plugin.core.checkpoint import Checkpoint
 from ckpt_plugin.core.memory import MemoryKind, common_prefix
+from ckpt_plugin.core.renamed import Renamed
 from ckpt_plugin.policy.costs import LOCAL_TIERS, Rates, clearly_cheaper, option_seconds
 
 __all__ = [
@@ -231,14 +232,14 @@ class Plan(Generic[C]):
     :ivar restore_state: Restore ``entry``'s full state first (not when a checkpoint holds the whole state).
     :ivar park_live: Put the live state into the cache first: the plan discards enough of it to be worth keeping.
     :ivar live: What the live memory alone offered (for the forced-reprocess and miss counters).
-    :ivar shared: The longest prefix the prompt shares with the live memory's lineage or any candidate (within the
+    :ivar n_shared: The longest prefix the prompt shares with the live memory's lineage or any candidate (within the
         limit), whether or not a restore can serve all of it.
     :ivar estimated_seconds: The plan's expected time (fetch, restore, evaluation of the rest), 0 without rates.
     :ivar most_tokens: What the plan keeping the most tokens keeps (``n_keep`` unless ``by_cost``; for a candidate
         not fetched, what its index matched).
     :ivar by_cost: The plan keeps fewer tokens than it could (``most_tokens``), because that is clearly faster.
     :ivar fetches_skipped: Candidates of slower tiers not fetched, because even at best they could not be faster.
-    :ivar share: Another live sequence whose first ``n_keep`` cells the slot takes over, shared (``entry`` and
+    :ivar peer: Another live sequence whose first ``n_keep`` cells the slot takes over, shared (``entry`` and
         ``checkpoint`` are then ``None``, and the slot's own memory is discarded).
     """
 
@@ -249,17 +250,21 @@ class Plan(Generic[C]):
     restore_state: bool
     park_live: bool
     live: Reuse
-    shared: int = 0
+    n_shared: int = 0
     estimated_seconds: float = 0.0
     most_tokens: int = 0
     by_cost: bool = False
     fetches_skipped: int = 0
-    share: C | None = None
+    peer: C | None = None
+
+    # Deprecated names (docs/hooks.md): one letter told a count from a sequence.
+    shared = Renamed("n_shared")
+    share = Renamed("peer")
 
     @property
     def needs_restore(self) -> bool:
         """Whether anything is restored (otherwise the memory is only truncated, or left as it is)."""
-        return self.entry is not None or self.checkpoint is not None or self.share is not None
+        return self.entry is not None or self.checkpoint is not None or self.peer is not None
 
 
 class _Pricer(Generic[C]):
@@ -337,7 +342,7 @@ def plan_prompt(
     options = reuse_options(kind, live.lineage, live.n_tokens, live.pos_min, live.checkpoints, prompt, limit)
     live_reuse = max(options, key=lambda option: option.n_keep)  # the first of the longest: best_reuse's choice
     best, entry, tier = live_reuse, None, None
-    shared = live_reuse.n_common
+    n_shared = live_reuse.n_common
     pricer: _Pricer[C] | None = None
     most_seconds = 0.0
     if rates is not None:
@@ -345,17 +350,17 @@ def plan_prompt(
         for option in options:
             pricer.offer(pricer.live(option), option, None, None)
         most_seconds = pricer.live(live_reuse)
-    share: C | None = None
+    chosen_peer: C | None = None
     for peer in peers if shares_cells(kind) else ():
         n_keep = min(common_prefix(peer.tokens, prompt), peer.n_tokens, limit)
         if n_keep > best.n_keep:
-            best, share = Reuse(n_keep, None, n_keep), peer
-            shared = max(shared, n_keep)
+            best, chosen_peer = Reuse(n_keep, None, n_keep), peer
+            n_shared = max(n_shared, n_keep)
             most_seconds = option_seconds(rates, len(prompt) - n_keep, 0) if rates is not None else 0.0
     skipped, most_tokens = 0, 0
     for hit in hits:
         bound = min(hit.n_common, limit)
-        shared = max(shared, bound)
+        n_shared = max(n_shared, bound)
         if bound <= best.n_keep:
             continue
         if pricer is not None and pricer.not_worth_fetching(hit.tier, bound):
@@ -368,7 +373,7 @@ def plan_prompt(
                                       candidate.checkpoints, prompt, limit)[1:]
         reuse = max(entry_options, key=lambda option: option.n_keep, default=Reuse(0, None, 0))
         if reuse.n_keep > best.n_keep:
-            best, entry, tier, share = reuse, candidate, hit.tier, None
+            best, entry, tier, chosen_peer = reuse, candidate, hit.tier, None
             if pricer is not None:
                 most_seconds = pricer.entry(hit.tier, candidate, reuse)
         if pricer is not None:
@@ -377,16 +382,16 @@ def plan_prompt(
                     pricer.offer(pricer.entry(hit.tier, candidate, option), option, candidate, hit.tier)
     chosen, estimate, by_cost = (best, entry, tier), most_seconds, False
     cheapest = pricer.cheapest if pricer is not None else None
-    # A share copies nothing: no way keeping fewer tokens is cheaper (and the pricer does not know shares).
-    if share is None and cheapest is not None and clearly_cheaper(most_seconds, cheapest[0]) and (
+    # A peer's cells cost no copy: no way keeping fewer tokens is cheaper (and the pricer does not price peers).
+    if chosen_peer is None and cheapest is not None and clearly_cheaper(most_seconds, cheapest[0]) and (
             cheapest[2] is not entry or cheapest[1] != best):
         chosen, estimate, by_cost = cheapest[1:], cheapest[0], True
     reuse, entry, tier = chosen
     most_tokens = max(most_tokens, best.n_keep)
     by_cost = by_cost or most_tokens > reuse.n_keep
-    kept_live = reuse.n_keep if entry is None and share is None else 0
+    kept_live = reuse.n_keep if entry is None and chosen_peer is None else 0
     park = live.n_tokens - kept_live >= min_discard and live.n_tokens >= min_tokens
     restore_state = entry is not None and not (kind.partial_is_complete and reuse.checkpoint is not None)
     return Plan(n_keep=reuse.n_keep, entry=entry, tier=tier, checkpoint=reuse.checkpoint, restore_state=restore_state,
-                park_live=park, live=live_reuse, shared=shared, estimated_seconds=estimate, most_tokens=most_tokens,
-                by_cost=by_cost, fetches_skipped=skipped, share=share)
+                park_live=park, live=live_reuse, n_shared=n_shared, estimated_seconds=estimate,
+                most_tokens=most_tokens, by_cost=by_cost, fetches_skipped=skipped, peer=chosen_peer)

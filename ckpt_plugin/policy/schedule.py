@@ -58,7 +58,7 @@ def default_min_step(kind: MemoryKind) -> int:
 def branch_point(kind: MemoryKind, rules: CheckpointRules, plan: Plan) -> int:
     """Where a checkpoint would let the next prompt with the same prefix restore all of it (0: nowhere).
 
-    The prompt leaves what is stored at ``plan.shared`` (the end of a shared system prompt, an edit's position), and
+    The prompt leaves what is stored at ``plan.n_shared`` (the end of a shared system prompt, an edit's position), and
     the plan keeps less than that, so the tokens between are evaluated again. A checkpoint where they end serves every
     later prompt that leaves there too, instead of the nearest ``min_step`` grid point below it. It costs a pause (a
     decode call of its own) and a checkpoint's bytes, so it is taken only where a later prompt would save at least
@@ -66,9 +66,9 @@ def branch_point(kind: MemoryKind, rules: CheckpointRules, plan: Plan) -> int:
     shares a few more tokens of the previous reply than the closing checkpoint holds).
     """
     step = max(1, rules.min_step)
-    if not kind.needs_checkpoints or plan.shared < step or plan.shared - plan.n_keep < max(1, step // 2):
+    if not kind.needs_checkpoints or plan.n_shared < step or plan.n_shared - plan.n_keep < max(1, step // 2):
         return 0
-    return plan.shared
+    return plan.n_shared
 
 
 def prompt_end_checkpoint(kind: MemoryKind, prompt_end: int) -> int:

@@ -13,18 +13,18 @@ __all__ = ["publish"]
 
 
 def publish(manager: EngineView) -> bool:
-    """Offer ``manager``'s live slots to the shared tier, so that another replica can continue from them; call it
+    """Publish ``manager``'s live slots to the shared tier, so that another replica can continue from them; call it
     after a response (``CheckpointMiddleware`` does, after every completion). Returns whether an entry was queued.
 
     Each capture happens now, under its slot's lock (a few milliseconds; the next request's own capture reuses it
-    when the slot is parked); encoding and writing happen on the write-behind thread. A slot whose state was offered
+    when the slot is parked); encoding and writing happen on the write-behind thread. A slot whose state was published
     already (same version and namespace) is skipped.
     """
     shared = manager.store.shared
     if shared is None or not shared.available:
         return False
     queued = False
-    for controller in manager.slots:
+    for controller in manager.controllers:
         if controller.busy:
             continue  # mid-generation: its own request publishes it when its response is sent
         with controller.lock:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ckpt_plugin.core.pages import PAGES
+
 if TYPE_CHECKING:
     from ckpt_plugin.core.entry import CacheEntry
     from ckpt_plugin.core.checkpoint import Checkpoint
@@ -20,7 +22,8 @@ def manager_stats(manager: EngineView) -> dict[str, Any]:
     """Counters plus memory figures.
 
     ``resident_bytes`` counts each state buffer held by a slot or the cache once; ``referenced_bytes`` counts it
-    once per holder (what a copying cache would hold): their ratio is 1.0 when nothing is duplicated.
+    once per holder (what a copying cache would hold): their ratio, ``sharing_ratio``, is 1.0 when nothing is shared.
+    ``live_pages`` and ``live_page_bytes`` count the pages of every paged state of the process (all engines).
     ``state_bytes`` is what the budget (``state_budget_bytes``) bounds: entries, slot pins and recycled mappings.
     ``corrupt_files`` counts the files that failed validation: slot files this manager was asked to restore
     (``corrupt_slot_files``) plus the disk tier's (at its start-up scan and when read); a disk tier shared by
@@ -31,7 +34,7 @@ def manager_stats(manager: EngineView) -> dict[str, Any]:
     field.
     """
     cache = manager.cache
-    slots = [controller.slot for controller in manager.slots]
+    slots = [controller.slot for controller in manager.controllers]
     checkpoints = [c for slot in slots for c in list(slot.checkpoints)]
     entries = cache.entries()
     unique: dict[int, int] = {}
@@ -47,6 +50,9 @@ def manager_stats(manager: EngineView) -> dict[str, Any]:
         bytes_copied=out["bytes_captured"] + out["bytes_restored"],
         resident_bytes=sum(unique.values()),
         referenced_bytes=referenced,
+        sharing_ratio=round(referenced / max(1, sum(unique.values())), 3),
+        live_pages=len(PAGES),
+        live_page_bytes=PAGES.unique_bytes,
         slot_only_bytes=slot_only,
         pool_free_bytes=cache.pool.free_bytes,
         state_bytes=cache.state_bytes,
@@ -93,7 +99,7 @@ def describe(manager: EngineView, namespace: str | None = None) -> dict[str, Any
     slots = [
         {"id": slot.id, "n_tokens": slot.n_tokens, "namespace": slot.namespace,
          "checkpoints": [checkpoint_view(c) for c in list(slot.checkpoints)]}
-        for slot in (controller.slot for controller in manager.slots)
+        for slot in (controller.slot for controller in manager.controllers)
         if namespace is None or slot.namespace == namespace
     ]
     return {

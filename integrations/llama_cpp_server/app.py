@@ -21,6 +21,7 @@ from ckpt_plugin_integrations.llama_cpp_server.interrupted_streams import report
 from ckpt_plugin_integrations.llama_cpp_server.model_checks import check_parallel
 from ckpt_plugin_integrations.llama_cpp_server.proxy import CheckpointLlamaProxy, RequestViews
 from ckpt_plugin_integrations.llama_cpp_server.read_ahead import collect_streams, iterate_chunks, stop_streams
+from ckpt_plugin_integrations.llama_cpp_server.render import render_guards
 from ckpt_plugin_integrations.llama_cpp_server.request_ids import RequestIds, accept_any_request_id
 
 
@@ -31,7 +32,8 @@ def create_app(
 ) -> Any:
     """``llama_cpp.server.app.create_app`` with a :class:`CheckpointLlamaProxy` and :class:`CheckpointMiddleware`;
     any reasonable ``X-Request-Id`` is kept (:mod:`.request_ids`), and a stream that ``interrupt_requests`` cuts
-    short ends with an error event (:mod:`.interrupted_streams`).
+    short ends with an error event (:mod:`.interrupted_streams`). The middleware also answers llama-server's
+    ``/health`` and vLLM's render routes and ``/tokenize`` (:mod:`.render`).
 
     :return: The FastAPI app; ``app.state.llama_proxy`` is the proxy (its ``managers`` are the live managers).
     """
@@ -60,9 +62,11 @@ def create_app(
         managers=lambda: proxy.managers,
         settings=settings,
         api_key=server_settings.api_key,
-        guards=host_route_guards(app, proxy, grammars),
+        guards={**host_route_guards(app, proxy, grammars), **render_guards(proxy, grammars)},
         admission=admission,
         model_stats=proxy.model_stats,
+        # None while the proxy loads a model (a switch between the models of a config file).
+        loaded=lambda: host_compat.proxy_current_model(proxy) is not None,
     )
     # Outermost: every response carries the request's id, the middleware's own refusals included.
     accept_any_request_id(app)

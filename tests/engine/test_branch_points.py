@@ -51,5 +51,5 @@ def test_a_short_shared_prefix_leaves_no_checkpoint(make_llama: Any) -> None:
     short = [SYSTEM[:20] + rng.integers(3, 300, 60).tolist() for _ in range(2)]
     for prompt in short:
         evaluated_for(llama, manager, prompt)
-    assert manager.slots[0].branch_point == 0
+    assert manager.controllers[0].branch_point == 0
     assert not any(c.n_tokens == 20 for c in manager.primary.slot.checkpoints)

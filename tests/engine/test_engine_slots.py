@@ -37,7 +37,7 @@ def engine(make_llama: Callable[..., Any], request: pytest.FixtureRequest) -> It
 
 
 def serve(manager: CheckpointManager, slot: int, prompt: np.ndarray) -> tuple[int, np.ndarray]:
-    controller = manager.slots[slot]
+    controller = manager.controllers[slot]
     n_keep = controller.prepare(prompt)
     controller.process(prompt[n_keep:])
     return n_keep, controller.backend.logits().copy()
@@ -83,14 +83,14 @@ def test_an_entry_saved_from_slot_0_restores_into_slot_1_by_reference(engine: An
     a = tokens(rng, 200)
     serve(manager, 0, a)
     serve(manager, 1, tokens(rng, 120))  # slot 1 holds another conversation
-    entry = manager.slots[0].save_to_cache()
+    entry = manager.controllers[0].save_to_cache()
     assert entry is not None
     hits = manager.counters.cache_hits
     continued = np.concatenate([a, tokens(rng, 12)])
     n_keep, logits = serve(manager, 1, continued)
     assert n_keep == len(a) and manager.counters.cache_hits == hits + 1
     like_fresh(logits, fresh(continued))
-    slot_1 = manager.slots[1].slot
+    slot_1 = manager.controllers[1].slot
     # Shared, never copied: the slot holds the entry's own checkpoint objects.
     assert all(any(c is e for e in entry.checkpoints) for c in slot_1.checkpoints if c.n_tokens <= len(a))
     assert len(slot_1.checkpoints) >= (1 if manager.kind.n_swa or manager.kind.recurrent else 0)

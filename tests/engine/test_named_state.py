@@ -378,7 +378,7 @@ def test_a_manifest_of_version_1_on_the_server_is_restored(redis_server: RedisSe
         run_prompt(writer, prompt, 2)
         assert publish(writer) and writer.store.shared is not None and writer.store.shared.drain(20)
         client = redis_server.client()
-        (key,) = [k for k in client.scan_iter(match="old:*") if k.split(b":")[-2] == b"e"]
+        (key,) = [k for k in client.scan_iter(match="old:*") if k.split(b":")[-2] == b"e3"]
         partition = Partition("old", writer.fingerprint, "default")
         manifest = decode_manifest(client.get(key), partition, key.decode())
         client.set(key, encode_v1(manifest.entry, blob_refs=True))

@@ -95,7 +95,7 @@ def test_slots_on_threads_answer_like_fresh_contexts_and_count_exactly(
 
         def client(slot_id: int) -> None:
             try:
-                controller = manager.slots[slot_id]
+                controller = manager.controllers[slot_id]
                 prompts = conversation(np.random.default_rng(100 + slot_id), systems)
                 start.wait()
                 for _ in range(REQUESTS):
@@ -156,7 +156,7 @@ def test_a_window_moved_by_another_sequence_between_the_plan_and_the_cut_is_plan
         manager = CheckpointManager(context.sequence(0), more_slots=[context.sequence(1)], load_entrypoints=False,
                                     checkpoint_min_step=32)
         other = context.sequence(2)  # another user of the context, outside the engine
-        controller = manager.slots[1]
+        controller = manager.controllers[1]
         first = tokens(rng, 250)
         controller.prepare(first)
         controller.process(first)
@@ -221,7 +221,7 @@ def test_a_window_taken_in_the_instant_before_the_cut_is_never_served(make_llama
         backend = Intruding(context.sequence(1), context.sequence(2), rng)
         manager = CheckpointManager(context.sequence(0), more_slots=[backend], load_entrypoints=False,
                                     checkpoint_min_step=32)
-        controller = manager.slots[1]
+        controller = manager.controllers[1]
         first = tokens(rng, 250)
         controller.prepare(first)
         controller.process(first)
@@ -247,7 +247,7 @@ def test_a_copy_during_which_another_sequence_takes_cells_is_taken_again(make_ll
         backend = Intruding(context.sequence(1), context.sequence(2), rng)
         manager = CheckpointManager(context.sequence(0), more_slots=[backend], load_entrypoints=False,
                                     checkpoint_min_step=32)
-        controller = manager.slots[1]
+        controller = manager.controllers[1]
         prompt = tokens(rng, 200)
         controller.prepare(prompt)
         controller.process(prompt[:160])

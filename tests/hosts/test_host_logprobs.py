@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import ckpt_plugin
+from ckpt_plugin.hosts.llama_cpp.attachment.host_logprobs import completion_with_reads
 from ckpt_plugin.hosts.llama_cpp.attachment.logprobs import ROW_BLOCK, stop_sequences, top_indices
 
 KINDS = ["llama", "gemma3", "mamba"]
@@ -81,7 +82,8 @@ def host_path(llama: Any) -> None:
     def completion(*args: Any, **kwargs: Any) -> Any:
         bound = attachment._completion_signature.bind(llama, *args, **kwargs)
         reads = (bound.arguments.get("logprobs") is not None, bool(bound.arguments.get("echo", False)))
-        return attachment._completion_with_reads(attachment._create_completion(*args, **kwargs), reads)
+        return completion_with_reads(llama, attachment._create_completion(*args, **kwargs), reads,
+                                     attachment._note_reads)
 
     llama._create_completion = completion
 

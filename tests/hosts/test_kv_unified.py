@@ -127,7 +127,7 @@ def test_random_shared_and_edited_prefixes_on_concurrent_slots_equal_fresh_conte
         # On the tiny llama the slots share cells whenever a busy slot holds more of a prompt than the idle slot
         # it lands on (how often depends on the threads' timing: the tests above count shares deterministically).
         if kind != "llama":
-            assert all(controller.peers is None for controller in parallel.manager.slots)
+            assert all(controller.peers is None for controller in parallel.manager.controllers)
             assert counters.kv_shares == 0, parallel.manager.stats()
             if kind in ("mamba", "hybrid"):
                 assert parallel.sharing is None and counters.prefix_waits == 0

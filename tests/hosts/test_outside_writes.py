@@ -284,7 +284,7 @@ def test_a_memory_with_unknown_positions_is_never_saved_cached_or_published(make
     manager = ckpt_plugin.attach(llama)
     llama.set_cache(LlamaRAMCache(1 << 26))
     image_request(llama, 7, seen=False)
-    controller = manager.slots[0]
+    controller = manager.controllers[0]
     controller.reconcile()
     assert controller.holds_outside_writes
     with pytest.raises(OpaqueMemoryError):

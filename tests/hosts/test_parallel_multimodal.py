@@ -49,7 +49,7 @@ def test_an_image_stored_by_one_slot_serves_a_follow_up_on_another(make_llama: C
         answer = served(parallel, first)
         assert answer == reply(host, first)
         assert counters.media_chunks == 1 and counters.media_positions > 0
-        held = [i for i in range(2) if is_media(parallel.manager.slots[i].slot.tokens).any()]
+        held = [i for i in range(2) if is_media(parallel.manager.controllers[i].slot.tokens).any()]
         assert len(held) == 1  # the image's positions are recorded under its ids, on the slot that decoded it
         # Both slots go to other conversations (each parks what it held in the cache first).
         for seed in (2, 3):

@@ -231,7 +231,7 @@ def test_a_slot_holding_the_context_for_its_prepare_gets_its_prompt_into_the_nex
     scheduler = parallel.scheduler
     try:
         other_rows: list[np.ndarray] = []
-        with scheduler.held_until_submitted(parallel.manager.slots[0].lock):
+        with scheduler.held_until_submitted(parallel.manager.controllers[0].lock):
             other = threading.Thread(
                 target=lambda: other_rows.append(scheduler.decode(1, np.array([5, 6, 7], dtype=np.int32), 0, 2)))
             other.start()
@@ -243,7 +243,7 @@ def test_a_slot_holding_the_context_for_its_prepare_gets_its_prompt_into_the_nex
         assert scheduler.steps == 1 and scheduler.shared_steps == 1
         assert len(rows) == 1 and len(other_rows[0]) == 1
         # Nothing holds the context afterwards.
-        for lock in (parallel.context.lock, parallel.manager.slots[0].lock):
+        for lock in (parallel.context.lock, parallel.manager.controllers[0].lock):
             free = threading.Thread(target=lambda lock=lock: lock.acquire() and lock.release())
             free.start()
             free.join(5)
@@ -256,7 +256,7 @@ def test_a_hold_takes_the_slots_lock_before_the_context(make_llama: Callable[...
     """The order of every other path (a slot file action holds its slot's lock, then calls on the context): a
     prepare waiting for a slot someone else holds has not taken the context, so the holder can still use it."""
     parallel = ParallelLlama(make_llama("llama"), 2, load_entrypoints=False)
-    scheduler, slot_lock = parallel.scheduler, parallel.manager.slots[0].lock
+    scheduler, slot_lock = parallel.scheduler, parallel.manager.controllers[0].lock
     try:
         entered = threading.Event()
         asking = threading.Event()

@@ -74,7 +74,7 @@ def test_replicas_on_a_cluster_resume_each_others_conversations(deployment: Any)
     keys = cluster.keys("cl*")
     holding = sum(1 for found in keys.values() if any(b":b:" in key for key in found))
     assert holding >= 2, {port: len(found) for port, found in keys.items()}
-    assert sum(1 for found in keys.values() if any(b"}:e:" in key for key in found)) == 1
+    assert sum(1 for found in keys.values() if any(b"}:e3:" in key for key in found)) == 1
 
 
 def namespaces(keys: list[bytes]) -> set[bytes]:
@@ -109,7 +109,7 @@ def test_a_node_killed_mid_conversation_costs_misses_only(deployment: Any) -> No
     # a node holding blobs but not the partition's index: entries whose blobs are elsewhere stay served (without
     # the partition's node, every lookup is a miss until it is back)
     victim = next(node for node, found in zip(cluster.nodes, cluster.keys("cl*").values())
-                  if not any(b"}:e:" in key for key in found))
+                  if not any(b"}:e3:" in key for key in found))
     victim.kill()
     try:
         for replica in (b, a, b):
@@ -138,7 +138,7 @@ def test_slots_moving_while_serving_cost_misses_only(deployment: Any) -> None:
     cluster, a, b, plain = deployment
     moved_turns(a, b, plain, "before-moving", turns=2)
     partition_node = next(node for node, found in zip(cluster.nodes, cluster.keys("cl*").values())
-                          if any(b"}:e:" in key for key in found))
+                          if any(b"}:e3:" in key for key in found))
     target = next(node for node in cluster.nodes if node is not partition_node)
     failures: list[BaseException] = []
 

@@ -175,6 +175,6 @@ def test_the_draft_models_state_travels_with_the_conversation(tiny_model: Any, r
         assert stats["draft_dropped"] == 0 and stats["shared"]["hits"] == 1
     # every record of the stored entries names its draft state
     client = redis_server.client()
-    for key in redis_server.keys("draft:*:e:*"):
+    for key in redis_server.keys("draft:*:e3:*"):
         entry = decode_entry(client.get(key), blob_refs=True)
         assert all(record.draft is not None for record in (entry.state, *entry.checkpoints))

@@ -86,7 +86,7 @@ def test_shared_checkpoints_are_stored_once(redis_server: RedisServer) -> None:
     # two full states, plus each checkpoint once although both entries hold the early ones
     n_checkpoints = len(a.primary.slot.checkpoints)
     assert len(blobs) == 2 + n_checkpoints, (len(blobs), n_checkpoints)
-    assert len(redis_server.keys("dedup:*:e:*")) == 2
+    assert len(redis_server.keys("dedup:*:e3:*")) == 2
 
 
 def test_corrupted_values_are_misses_and_are_dropped(redis_server: RedisServer) -> None:
@@ -100,12 +100,12 @@ def test_corrupted_values_are_misses_and_are_dropped(redis_server: RedisServer) 
     assert continue_on(b, PROMPT + [7, 8]) == 0
     assert b.store.shared.counters.corrupt >= 1 and not b.primary.backend.corrupted
     b.store.shared.drain(5)
-    for key in redis_server.keys("corrupt:*:e:*"):
+    for key in redis_server.keys("corrupt:*:e3:*"):
         client.set(key, b"CKPTSLOT" + b"\0" * 300)
     c = replica(redis_server.url, prefix="corrupt")
     assert continue_on(c, PROMPT + [7, 8]) == 0
     assert c.store.shared.counters.corrupt == 1 and c.store.shared.available
-    for key in redis_server.keys("corrupt:*:i:*"):
+    for key in redis_server.keys("corrupt:*:i3:*"):
         client.set(key, b"../not-an-id")
     d = replica(redis_server.url, prefix="corrupt")
     assert continue_on(d, PROMPT + [7, 8]) == 0 and d.store.shared.counters.misses == 1

@@ -19,13 +19,13 @@ from ckpt_plugin.policy.costs import (
     EVAL_BUCKETS,
     MIN_RATE_BYTES,
     CostModel,
-    PlanClock,
     Rates,
     TransferRate,
     clearly_cheaper,
     with_transfer,
 )
 from ckpt_plugin.http.metrics import Metrics
+from ckpt_plugin.policy.plan_record import PlanClock
 from ckpt_plugin.core.memory import MemoryKind
 from ckpt_plugin.policy.plan import Hit, LiveMemory, Plan, best_reuse, can_truncate, plan_prompt
 from ckpt_plugin.policy.schedule import CheckpointRules, pause_points, want_checkpoint
@@ -81,8 +81,8 @@ def cases(draw: st.DrawFn) -> Case:
 
 
 def same_plan(a: Plan[Stored], b: Plan[Stored]) -> bool:
-    return (a.n_keep, a.tier, a.restore_state, a.park_live, a.live, a.shared) == (
-        b.n_keep, b.tier, b.restore_state, b.park_live, b.live, b.shared) and a.entry is b.entry and (
+    return (a.n_keep, a.tier, a.restore_state, a.park_live, a.live, a.n_shared) == (
+        b.n_keep, b.tier, b.restore_state, b.park_live, b.live, b.n_shared) and a.entry is b.entry and (
         a.checkpoint is b.checkpoint)
 
 
@@ -293,8 +293,8 @@ def test_stats_and_metrics_show_rates_and_estimated_against_actual_time() -> Non
 
 def test_a_plan_clock_records_its_outcome() -> None:
     costs = CostModel()
-    costs.record_plan(PlanClock(estimated=0.010, prompt_end=100, n_keep=90, most_tokens=95, tier="shared", by_cost=True,
-                                   fetches_skipped=1, seconds=0.012))
+    costs.plan_record.add(PlanClock(estimated=0.010, prompt_end=100, n_keep=90, most_tokens=95, tier="shared",
+                                    by_cost=True, fetches_skipped=1, seconds=0.012))
     view = costs.snapshot()
     assert view["plans"] == view["plans_by_cost"] == view["fetches_skipped_by_cost"] == 1
     assert view["tokens_recomputed_by_cost"] == 5

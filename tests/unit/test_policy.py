@@ -7,14 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckpt_plugin.policy.eviction import SLOT_BUDGET_SHARE, checkpoints_to_erase, slot_checkpoint_limit
+from ckpt_plugin.core.memory import MemoryKind, common_prefix
 from ckpt_plugin.policy.plan import (
     Hit,
     LiveMemory,
-    MemoryKind,
     best_reuse,
     can_truncate,
     checkpoint_serves,
-    common_prefix,
     plan_prompt,
 )
 from ckpt_plugin.policy.schedule import CheckpointRules, branch_point, pause_points, prompt_end_checkpoint, want_checkpoint
@@ -89,12 +88,12 @@ def test_plan_is_the_best_of_live_memory_and_candidates_and_fetches_only_what_ca
     kept_live = plan.n_keep if plan.entry is None else 0
     assert plan.park_live == (n_memory - kept_live >= 3 and n_memory >= 2)
     # the shared prefix is the longest any base holds, within the limit; a branch point only where it is not kept
-    assert plan.shared == min(max([int(common_prefix(live_stored.tokens, prompt)), *bounds]), limit) >= plan.n_keep
+    assert plan.n_shared == min(max([int(common_prefix(live_stored.tokens, prompt)), *bounds]), limit) >= plan.n_keep
     rules = CheckpointRules(min_step=data.draw(st.integers(1, 6)))
     point = branch_point(kind, rules, plan)
-    wanted = (kind.needs_checkpoints and plan.shared - plan.n_keep >= max(1, rules.min_step // 2)
-              and plan.shared >= rules.min_step)
-    assert point == (plan.shared if wanted else 0)
+    wanted = (kind.needs_checkpoints and plan.n_shared - plan.n_keep >= max(1, rules.min_step // 2)
+              and plan.n_shared >= rules.min_step)
+    assert point == (plan.n_shared if wanted else 0)
 
 
 def test_a_candidate_that_is_gone_is_skipped() -> None:

@@ -2,16 +2,21 @@
 
 An entry of partition (model fingerprint, namespace) is stored as
 
-- a **manifest** under ``<prefix>:<fp>:<ns>:e:<entry id>``: the entry in the persistence format of
+- a **manifest** under ``<prefix>:<fp>:<ns>:e3:<entry id>``: the entry in the persistence format of
   :mod:`ckpt_plugin.persist` (versioned, fingerprinted, BLAKE2b digests of the header and of the whole) with the
   required file flag :data:`~ckpt_plugin.persist.FILE_BLOB_REFS`: each blob payload is a 24-byte reference (the
-  XXH3-128 digest of the state bytes and their length) instead of the bytes;
-- one **blob** per distinct state buffer under ``<prefix>:<fp>:<ns>:b:<xxh3-128>``: the raw state bytes (a target
-  state, or an extra state of any name: a draft model's, a speculative decoder's, a plugin's), checked against the
-  digest that names them. Entries that share a checkpoint (a conversation's turns, branches of one
-  prefix) reference one blob, stored once, as the RAM cache counts a shared buffer once;
+  XXH3-128 digest of the blob and its length) instead of the bytes;
+- one **blob** per distinct state buffer under ``<prefix>:<fp>:<ns>:b:<xxh3-128>``: the raw state bytes (an extra
+  state of any name: a draft model's, a speculative decoder's, a plugin's; a target state the engine keeps whole), or
+  a paged target state's **page map** (:mod:`ckpt_plugin.persist.page_map`: the state's literal headers and its
+  pages by id), checked against the digest that names them;
+- one **page** per distinct page under ``<prefix>:<fp>:<ns>:b:<page id>``: its bytes and their XXH3-128 digest.
+  A page's id names the tokens, model and tenant behind its cells (:mod:`ckpt_plugin.core.pages`), so the pages of
+  a shared system prompt are stored once for every conversation of the namespace, and a turn writes only the pages
+  it added: the cells after the previous turn and the page it ended inside. A fetch reads the pages this process
+  does not hold live already;
 - one **index** key per whole block of :data:`BLOCK_TOKENS` tokens of the entry, under
-  ``<prefix>:<fp>:<ns>:i:<chained hash>``, whose value is the id of the newest entry holding that prefix. The
+  ``<prefix>:<fp>:<ns>:i3:<chained hash>``, whose value is the id of the newest entry holding that prefix. The
   chained hash of block ``j`` covers every token up to the end of block ``j`` (and the partition), so one
   ``MGET`` of a prompt's block hashes tells how deep a stored prefix goes, in one round trip, whatever the number
   of entries.
@@ -22,9 +27,11 @@ full, checked on every read. Nothing is ever unpickled: manifests are parsed fie
 are bytes checked by their digest.
 
 Manifests are written in :data:`WIRE_VERSION` (the persistence format's 2.0: each extra state a named reference);
-manifests of 1.0, whose records referenced a draft and a speculative blob in fixed places, are read as well, so the
-entries earlier replicas wrote stay usable. A replica that reads only 1.0 refuses a 2.0 manifest (a miss, and it
-deletes the value), so replicas sharing a server move to 2.0 together, or the new ones use another ``prefix``.
+manifests of 1.0, whose records referenced a draft and a speculative blob in fixed places, are read as well. Since
+target states are paged, manifests and index keys take the letters ``e3`` and ``i3`` instead of ``e`` and ``i``: a
+replica that does not read page maps would hand one to llama.cpp as a state (refused, the slot cleared), so the two
+never see each other's entries. Entries written under ``e`` are not read any more (a miss); the server's TTL or
+``maxmemory`` policy drops them.
 """
 
 from __future__ import annotations
@@ -46,8 +53,10 @@ except ImportError:  # pragma: no cover - the redis extra is missing: SharedTier
 
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.checkpoint import TARGET, Checkpoint, StateBuffer, as_state_buffer
+from ckpt_plugin.core.pages import PagedState
 from ckpt_plugin.core.errors import CorruptFileError
 from ckpt_plugin.persist.layout import FORMAT_VERSION
+from ckpt_plugin.persist.page_map import encode_page_map
 from ckpt_plugin.persist.read import decode_entry
 from ckpt_plugin.persist.write import encode_entry
 from ckpt_plugin.policy.eviction import checkpoints_to_erase
@@ -73,6 +82,11 @@ BLOCK_TOKENS = 32
 """Tokens per index block: a stored prefix is found to the block, its exact length read from the manifest."""
 MAX_LOOKUP_BLOCKS = 1024
 """Index keys asked for at most per lookup (32,768 tokens of prompt): one ``MGET`` of at most this many keys."""
+MANIFEST_TAG = "e3"
+"""The key letter of manifests whose target states may be page maps (see the module docstring): replicas that do not
+read page maps use ``e`` and never see them, nor these replicas theirs."""
+INDEX_TAG = "i3"
+"""The key letter of the index keys that point at :data:`MANIFEST_TAG` manifests."""
 _REF = struct.Struct("<16sQ")
 _MAX_BLOB_BYTES = 1 << 40
 _ID = re.compile(rb"[0-9a-f]{32}")
@@ -171,13 +185,13 @@ class Partition:
         return digest.hexdigest()
 
     def entry_key(self, entry_id: str) -> str:
-        return f"{self.head}e:{entry_id}"
+        return f"{self.head}{MANIFEST_TAG}:{entry_id}"
 
     def blob_key(self, digest: bytes) -> str:
         return f"{self.base}b:{digest.hex()}"
 
     def index_key(self, chained: bytes) -> str:
-        return f"{self.head}i:{chained.hex()}"
+        return f"{self.head}{INDEX_TAG}:{chained.hex()}"
 
     def chain(self, tokens: np.ndarray, n_blocks: int | None = None) -> list[bytes]:
         """The chained hashes of the first ``n_blocks`` whole blocks of ``tokens`` (all of them by default)."""
@@ -243,13 +257,18 @@ class Encoded:
     """What writing an entry to the shared tier takes.
 
     :ivar data: The manifest's bytes.
-    :ivar blobs: The state bytes of the entry's own buffers, by digest (written unless the server has them).
+    :ivar blobs: The state bytes of the entry's own buffers, by digest (written unless the server has them); a paged
+        state's page map among them.
+    :ivar pages: The pages of the entry's paged states, by id (written, sealed, unless the server has them).
+    :ivar paged: The entry's paged states by their page map's digest.
     :ivar carried: Digests of blobs the manifest names from its lineage (stored by earlier entries, not re-sent).
     :ivar manifest: The manifest as a reader will decode it (the lineage of later entries).
     """
 
     data: bytes
     blobs: dict[bytes, StateBuffer]
+    pages: dict[bytes, StateBuffer]
+    paged: dict[bytes, PagedState]
     carried: list[bytes]
     manifest: Manifest
 
@@ -264,9 +283,18 @@ def encode_manifest(entry: CacheEntry, digest_of: Callable[[StateBuffer], bytes]
     still finds its restore point. At most :data:`MAX_MANIFEST_CHECKPOINTS` are named, spread over the prompt.
     """
     blobs: dict[bytes, StateBuffer] = {}
+    pages: dict[bytes, StateBuffer] = {}
+    paged: dict[bytes, PagedState] = {}
 
-    def ref(buffer: StateBuffer) -> StateBuffer:
-        digest = digest_of(buffer)
+    def ref(buffer: StateBuffer | PagedState) -> StateBuffer:
+        if isinstance(buffer, PagedState):
+            page_map = as_state_buffer(encode_page_map(buffer))
+            digest = blob_digest(page_map)
+            paged[digest] = buffer
+            pages.update(buffer.pages_by_id())
+            buffer = page_map
+        else:
+            digest = digest_of(buffer)
         blobs[digest] = buffer
         return BlobRef(digest, int(buffer.nbytes)).encode()
 
@@ -288,7 +316,7 @@ def encode_manifest(entry: CacheEntry, digest_of: Callable[[StateBuffer], bytes]
                for ref in carried_from[id(c)].refs[id(c)].values()]
     ref_entry = CacheEntry(entry.tokens, state, tuple(checkpoints), entry.namespace)
     data = encode_entry(ref_entry, model_fingerprint=entry.fingerprint, blob_refs=True)
-    return Encoded(data, blobs, carried, Manifest.of(ref_entry, "<written>"))
+    return Encoded(data, blobs, pages, paged, carried, Manifest.of(ref_entry, "<written>"))
 
 
 def decode_manifest(data: bytes, partition: Partition, where: str) -> Manifest:

@@ -80,6 +80,12 @@ class SharedCounters:
     write_drops: int = 0
     round_trips: int = 0
     write_round_trips: int = 0
+    # Pages of paged states: written (the server lacked them), found on the server already when writing, read on a
+    # fetch (this process held no live page of that id), and found live here instead of read.
+    pages_written: int = 0
+    pages_present: int = 0
+    pages_read: int = 0
+    pages_held: int = 0
 
 
 class Tally:

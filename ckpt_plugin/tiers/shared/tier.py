@@ -36,8 +36,10 @@ import numpy as np
 
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.checkpoint import StateBuffer
+from ckpt_plugin.core.pages import PAGES, PagedState
 from ckpt_plugin.core.errors import CheckpointError, ConfigError
 from ckpt_plugin.core.memory import MemoryKind
+from ckpt_plugin.persist.page_map import decode_page_map, is_page_map, open_page
 from ckpt_plugin.policy.plan import Hit, Reuse, best_reuse
 from ckpt_plugin.tiers.protocol import Admission, Query
 from ckpt_plugin.tiers.shared.connection import SharedServer
@@ -263,10 +265,54 @@ class SharedTier:
                 buffer = self._valid(key, lambda: check_blob(value, ref, key))
                 if buffer is None:
                     return None
-                self._digests.remember(buffer, ref.digest)
                 blobs[ref.digest] = buffer
+        maps = {digest: buffer for digest, buffer in blobs.items()
+                if isinstance(buffer, np.ndarray) and is_page_map(buffer)}
+        if maps:
+            paged = self._paged(partition, maps, keys)
+            if paged is None:
+                return None
+            blobs.update(paged)
+        for ref in missing:  # a later fetch of a blob this process holds takes it from here
+            self._digests.remember(blobs[ref.digest], ref.digest)
         self._lineage.note(partition, manifest)
         return manifest.materialize(reuse.checkpoint, blobs)
+
+    def _paged(self, partition: Partition, maps: dict[bytes, StateBuffer],
+               keys: list[str]) -> dict[bytes, PagedState] | None:
+        """The paged states whose page maps are ``maps`` (by digest): their pages taken live from this process where
+        it holds them, the others read in one ``MGET``; ``None`` if one is missing or corrupt."""
+        decoded = {}
+        for digest, data in maps.items():
+            where = partition.blob_key(digest)
+            page_map = self._valid(where, lambda: decode_page_map(data, where))
+            if page_map is None:
+                return None
+            decoded[digest] = page_map
+        sizes = {page_id: size for page_map in decoded.values() for page_id, size in page_map.page_sizes.items()}
+        pages = {}
+        for page_id in sizes:
+            page = PAGES.get(page_id)
+            if page is not None and page.nbytes == sizes[page_id]:
+                pages[page_id] = page
+        wanted = [page_id for page_id in sizes if page_id not in pages]
+        self._count(pages_held=len(pages), pages_read=len(wanted))
+        if wanted:
+            page_keys = [partition.blob_key(page_id) for page_id in wanted]
+            keys += page_keys
+            if not self.server.usable(page_keys):
+                return None
+            values = self.server.mget(page_keys)
+            self._count(round_trips=1, bytes_read=sum(len(v) for v in values if v is not None))
+            for key, page_id, value in zip(page_keys, wanted, values):
+                if value is None:
+                    self._count(incomplete=1)  # the server evicted a page a page map still names
+                    return None
+                page = self._valid(key, lambda: open_page(value, page_id, sizes[page_id], PAGES, key))
+                if page is None:
+                    return None
+                pages[page_id] = page
+        return {digest: page_map.bind(pages) for digest, page_map in decoded.items()}
 
     def count_hit(self) -> None:
         """A plan restored an entry of this tier."""

@@ -131,3 +131,5 @@ class WriteBehind:
                     if job is not None:
                         self.done += 1
                     self._changed.notify_all()
+                # The job holds its entry's states: not kept alive while the thread waits for the next one.
+                job = None

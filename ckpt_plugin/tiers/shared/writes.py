@@ -13,9 +13,10 @@ from typing import Any, Callable
 
 
 from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.persist.page_map import seal_page
 from ckpt_plugin.tiers.protocol import Admission
 from ckpt_plugin.tiers.shared.connection import SharedServer
-from ckpt_plugin.tiers.shared.format import BLOCK_TOKENS, Partition, encode_manifest
+from ckpt_plugin.tiers.shared.format import BLOCK_TOKENS, MANIFEST_TAG, Partition, encode_manifest
 from ckpt_plugin.tiers.shared.write_behind import Job, WriteBehind
 from ckpt_plugin.tiers.shared.support import (FORGETS, RECENT, FORGET_BATCH, FORGET_SCAN_COUNT, WRITE_DELAY,
                                               DigestCache, Lineage, Reads, Tally)
@@ -129,7 +130,7 @@ class SharedWriter:
         gets the keys written (a failure is the fault of their nodes)."""
         encoded = encode_manifest(entry, self.digests.digest, self.lineage.of(partition))
         blobs = encoded.blobs
-        blob_keys = {digest: partition.blob_key(digest) for digest in blobs}
+        blob_keys = {digest: partition.blob_key(digest) for digest in (*blobs, *encoded.pages)}
         keys += blob_keys.values()
         if not self.server.usable(keys):  # a node of the cluster that holds some of them is down
             self.tally.add(write_drops=1)
@@ -141,11 +142,14 @@ class SharedWriter:
             pipe.exists(key)
         present = pipe.execute()
         pipe = writer.pipeline(transaction=False)
-        written = 0
+        written = pages_written = 0
         for (digest, key), exists in zip(blob_keys.items(), present):
             if not exists:
-                pipe.set(key, memoryview(blobs[digest]), ex=self.ttl)
-                written += int(blobs[digest].nbytes)
+                page = encoded.pages.get(digest)
+                value = memoryview(blobs[digest]) if page is None else seal_page(page)
+                pipe.set(key, value, ex=self.ttl)
+                written += len(value)
+                pages_written += page is not None
             elif self.ttl is not None:
                 pipe.expire(key, self.ttl)
         if self.ttl is not None:
@@ -159,7 +163,10 @@ class SharedWriter:
             pipe.set(partition.index_key(chained), entry_id, ex=self.ttl)
         if not self._executed(pipe, "write manifest"):
             return False
-        self.tally.add(writes=1, bytes_written=written + len(encoded.data), write_round_trips=3)
+        self.tally.add(writes=1, bytes_written=written + len(encoded.data), write_round_trips=3,
+                       pages_written=pages_written, pages_present=len(encoded.pages) - pages_written)
+        for digest, state in encoded.paged.items():  # a fetch of this entry here finds the state live
+            self.digests.remember(state, digest)
         self.lineage.note(partition, encoded.manifest)
         return True
 
@@ -226,7 +233,7 @@ class SharedWriter:
         def flush() -> int:
             writer.unlink(*batch)  # in a cluster, redis-py splits it per slot, pipelined per node
             # A manifest's key is "<partition>e:<entry id>"; ids are hex digits, so the kind is the part before.
-            found = sum(1 for key in batch if key.rsplit(b":", 2)[-2] == b"e")
+            found = sum(1 for key in batch if key.rsplit(b":", 2)[-2] == MANIFEST_TAG.encode())
             batch.clear()
             return found
 

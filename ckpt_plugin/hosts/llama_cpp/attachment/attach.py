@@ -61,7 +61,7 @@ def attach(
         raise UnsupportedHostError("this Llama has no context memory (vocab_only, closed, or created without one)")
     backend = LlamaBackend(llama)
     manager = CheckpointManager(backend, settings, cache=cache, disk=disk, **overrides)
-    attachment = Attachment(llama, manager, backend, manager.slots[0])
+    attachment = Attachment(llama, manager, backend, manager.controllers[0])
     attachment.install()
     manager.hooks.call(manager.hooks.hook.on_attach)
     return manager

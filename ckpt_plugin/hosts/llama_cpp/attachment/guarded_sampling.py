@@ -30,19 +30,25 @@ Requests with none of these keep the host's own chain, untouched.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import threading
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaSampler, LlamaTokenDataArray
+from llama_cpp.llama import Llama
 
 from ckpt_plugin.core.errors import GrammarDeadEnd
+from ckpt_plugin.core.request import current_request
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host
 from ckpt_plugin.hosts.llama_cpp.seam.context import end_of_generation_mask
 
-__all__ = ["GuardedSampler", "WindowPenalties", "end_of_generation_ids", "fill_candidates", "guard"]
+__all__ = ["GuardedSampler", "WindowPenalties", "end_of_generation_ids", "fill_candidates", "guard", "guarded_chain"]
+
+_INIT_SAMPLER_SIGNATURE = inspect.signature(Llama._init_sampler)
 
 _GRAMMAR_NAME = b"grammar"
 
@@ -274,3 +280,24 @@ def guard(chain: LlamaSampler, n_vocab: int, banned: np.ndarray | None = None,
     if _GRAMMAR_NAME not in names and (banned is None or not len(banned)) and penalties is None:
         return chain
     return GuardedSampler(chain, n_vocab, banned, names, penalties)
+
+
+def guarded_chain(llama: Llama, init_sampler: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The sampler chain ``init_sampler(*args, **kwargs)`` builds for ``llama`` (the class's own ``_init_sampler``,
+    bound), guarded where the request has a grammar or asks for ``ignore_eos``, and with the request's repetition
+    penalties applied by :class:`WindowPenalties` instead of the chain's own sampler (:func:`guard`)."""
+    bound = _INIT_SAMPLER_SIGNATURE.bind(llama, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
+    settings = (int(llama.last_n_tokens_size), arguments["repeat_penalty"], arguments["frequency_penalty"],
+                arguments["presence_penalty"])
+    penalties = None
+    if WindowPenalties.needed(*settings):
+        penalties = WindowPenalties(*settings)
+        arguments.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+    chain = init_sampler(**arguments)
+    request = current_request.get()
+    banned = None
+    if request is not None and request.ignore_eos:
+        banned = end_of_generation_ids(host.model_wrapper(llama))
+    return guard(chain, int(llama.n_vocab()), banned, penalties)

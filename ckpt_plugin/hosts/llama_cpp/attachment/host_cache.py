@@ -3,6 +3,8 @@ states instead of copying them, and a ``BaseLlamaCache`` view of the prefix-inde
 
 from __future__ import annotations
 
+import functools
+
 import os
 from typing import Sequence
 
@@ -27,7 +29,8 @@ _NO_SCORES = freeze(np.empty((0, 0), dtype=np.single))
 class SharedLlamaState(LlamaState):
     """A ``LlamaState`` that references an immutable prompt-cache entry instead of copying the state.
 
-    ``llama_state`` is a read-only ``memoryview`` of the captured bytes; ``scores`` is empty because restoring
+    ``llama_state`` is a read-only ``memoryview`` of the captured bytes (a paged state's pages are assembled the
+    first time it is read: restoring through the manager never reads it); ``scores`` is empty because restoring
     always re-evaluates the last prompt token (fresh logits). Pickling it produces a plain ``LlamaState`` copy.
     """
 
@@ -36,9 +39,12 @@ class SharedLlamaState(LlamaState):
         self.input_ids = entry.tokens
         self.scores = _NO_SCORES
         self.n_tokens = entry.n_tokens
-        self.llama_state = memoryview(entry.state.target)
         self.llama_state_size = int(entry.state.target.nbytes)
         self.seed = seed
+
+    @functools.cached_property
+    def llama_state(self) -> memoryview:  # type: ignore[override]
+        return memoryview(self.entry.state.target_bytes())
 
     def __reduce__(self) -> tuple:
         raise TypeError(

@@ -1,16 +1,56 @@
-"""A logprobs request served by the host without logprobs, with the logprobs it would have computed filled in
+"""The host's completion as the attachment runs it: the logits a request reads noted for its evaluation, and a
+logprobs request served by the host without logprobs, with the logprobs it would have computed filled in
 (:class:`~ckpt_plugin.hosts.llama_cpp.attachment.logprobs.CompletionTrace` computes them, vectorized)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+import inspect
+from typing import Any, Callable, Iterator, Sequence
 
 import llama_cpp
 from llama_cpp.llama import Llama
 
-from ckpt_plugin.hosts.llama_cpp.attachment.logprobs import CompletionTrace, LogprobsRequest
+from ckpt_plugin.hosts.llama_cpp.attachment.logprobs import CompletionTrace, LogprobsRequest, stop_sequences
+from ckpt_plugin.hosts.llama_cpp.seam import compat as host
 
-__all__ = ["completion_with_host_logprobs"]
+__all__ = ["completion_noting_reads", "completion_with_host_logprobs", "completion_with_reads"]
+
+
+def completion_noting_reads(llama: Llama, create_completion: Callable[..., Iterator[Any]],
+                            signature: inspect.Signature, args: tuple, kwargs: dict,
+                            note_reads: Callable[[tuple[bool, bool]], None]) -> Iterator[Any]:
+    """The host's completion ``create_completion(*args, **kwargs)`` (its ``_create_completion``, bound; ``signature``
+    its class's), with ``note_reads((logprobs, echo))`` called when the host's body starts, so that evaluation
+    computes and keeps only the logits the request reads. A request for logprobs runs the host without them and gets
+    them from :func:`completion_with_host_logprobs` (the same values, vectorized)."""
+    bound = signature.bind(llama, *args, **kwargs)
+    logprobs = bound.arguments.get("logprobs")
+    reads = (logprobs is not None, bool(bound.arguments.get("echo", False)))
+    if logprobs is None or not host.wants_all_logits(llama):
+        # Without logits_all the host refuses logprobs itself, after its other checks: left to it.
+        return completion_with_reads(llama, create_completion(*args, **kwargs), reads, note_reads)
+    defaults = signature.parameters
+
+    def argument(name: str) -> Any:
+        return bound.arguments.get(name, defaults[name].default)
+
+    request = LogprobsRequest(prompt=argument("prompt"), logprobs=logprobs, echo=bool(argument("echo")),
+                              stream=bool(argument("stream")), stop=stop_sequences(argument("stop")))
+    bound.arguments["logprobs"] = None
+    return completion_with_reads(llama, create_completion(*bound.args[1:], **bound.kwargs), reads, note_reads, request)
+
+
+def completion_with_reads(llama: Llama, completion: Iterator[Any], reads: tuple[bool, bool],
+                          note_reads: Callable[[tuple[bool, bool]], None],
+                          logprobs: LogprobsRequest | None = None) -> Iterator[Any]:
+    """Iterate the host's ``completion`` for a request reading ``reads``; with ``logprobs``, the host runs without
+    them and they are filled in (:func:`completion_with_host_logprobs`)."""
+    # Noted on the first next(), the call in which the host's body calls generate().
+    note_reads(reads)
+    if logprobs is None:
+        yield from completion
+    else:
+        yield from completion_with_host_logprobs(llama, completion, logprobs)
 
 
 def completion_with_host_logprobs(llama: Llama, completion: Iterator[Any], request: LogprobsRequest) -> Iterator[Any]:

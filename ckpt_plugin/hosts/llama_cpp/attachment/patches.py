@@ -9,14 +9,16 @@ instance (never the class):
   host's ``kv_cache_seq_rm`` is a no-op and its destructive fallbacks (clearing a recurrent memory, truncating a
   sliding window that lost the prefix) never run;
 - ``eval``: evaluates through the manager, which pauses where checkpoints are taken;
-- ``save_state`` / ``load_state``: return and accept a :class:`SharedLlamaState` that references an immutable
-  full-state capture and the slot's checkpoints instead of copying the state and the logits array;
+- ``save_state`` / ``load_state``: return and accept a :class:`SharedLlamaState` that references the slot's full
+  state (an immutable :class:`~ckpt_plugin.core.checkpoint.Checkpoint`) and its checkpoints instead of copying the
+  state and the logits array;
 - ``set_cache``: installs :class:`HostPromptCache`, a ``BaseLlamaCache`` view of the manager's prefix-indexed cache;
 - ``_init_sampler``: a request's sampler chain with a grammar, or a request asking for ``ignore_eos``, becomes a
   :class:`~ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling.GuardedSampler`: a grammar that matches nothing where
   the generation went ends it with :class:`~ckpt_plugin.core.errors.GrammarDeadEnd` instead of aborting the process;
 - ``_create_completion``: notes whether the request reads logprobs (and of the prompt, with ``echo``), so that
-  evaluation computes and keeps only the logits someone reads (:mod:`ckpt_plugin.hosts.llama_cpp.attachment.logits`).
+  evaluation computes and keeps only the logits someone reads (:mod:`ckpt_plugin.hosts.llama_cpp.attachment.logits`;
+  :mod:`ckpt_plugin.hosts.llama_cpp.attachment.host_logprobs`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ckpt_plugin.core.request import Refused, RequestInterrupted, current_reques
 from ckpt_plugin.engine.manager import CheckpointManager
 from ckpt_plugin.engine.slot_controller import SlotController
 from ckpt_plugin.hosts.llama_cpp.attachment.backend import HostRows
-from ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling import WindowPenalties, end_of_generation_ids, guard
+from ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling import guarded_chain
 from ckpt_plugin.hosts.llama_cpp.attachment.host_cache import (
     HostPromptCache,
     SharedLlamaState,
@@ -43,19 +45,18 @@ from ckpt_plugin.hosts.llama_cpp.attachment.host_cache import (
     mark_host_only,
     tiers_for_host_cache,
 )
-from ckpt_plugin.hosts.llama_cpp.attachment.host_logprobs import completion_with_host_logprobs
+from ckpt_plugin.hosts.llama_cpp.attachment.host_logprobs import completion_noting_reads
 from ckpt_plugin.hosts.llama_cpp.attachment.logits import generation_needs
-from ckpt_plugin.hosts.llama_cpp.attachment.logprobs import LogprobsRequest, stop_sequences
-from ckpt_plugin.hosts.llama_cpp.attachment.multimodal import MediaChunkDecode, MediaFlow, install_relay, remove_relay
+from ckpt_plugin.hosts.llama_cpp.attachment.media_flow import MediaFlow
+from ckpt_plugin.hosts.llama_cpp.attachment.multimodal import MediaChunkDecode, install_relay, remove_relay
 from ckpt_plugin.hosts.llama_cpp.attachment.outside_prompts import serve_outside_writes
 from ckpt_plugin.hosts.llama_cpp.attachment.outside_writes import same_handle
 from ckpt_plugin.hosts.llama_cpp.seam import compat as host
 
 __all__ = ["Attachment", "attachment_of"]
 
-_INIT_SAMPLER_SIGNATURE = inspect.signature(Llama._init_sampler)
 _PATCHED = ("eval", "generate", "save_state", "load_state", "set_cache", "_init_sampler", host.COMPLETION_METHOD)
-_MANAGER_ATTR = "_ckpt_plugin_attachment"
+_ATTACHMENT_ATTR = "_ckpt_plugin_attachment"
 
 
 class _Generation:
@@ -130,7 +131,7 @@ class Attachment:
         if llama.cache is not None:
             self.set_cache(llama.cache)
         install_relay(getattr(llama, "chat_handler", None), self)
-        setattr(llama, _MANAGER_ATTR, self)
+        setattr(llama, _ATTACHMENT_ATTR, self)
 
     def uninstall(self) -> None:
         llama = self.llama
@@ -138,7 +139,7 @@ class Attachment:
             llama.__dict__.pop(name, None)
         llama.__dict__.update(self.saved)
         llama.cache = self.saved_cache
-        llama.__dict__.pop(_MANAGER_ATTR, None)
+        llama.__dict__.pop(_ATTACHMENT_ATTR, None)
         remove_relay(getattr(llama, "chat_handler", None))
         self.media.disarm()
         self.backend.release()
@@ -237,123 +238,82 @@ class Attachment:
         controller.process(new, prompt_end)
 
     def init_sampler(self, *args: Any, **kwargs: Any) -> Any:
-        """The host's sampler chain, guarded where the request has a grammar or asks for ``ignore_eos``, and with
-        the request's repetition penalties applied by
-        :class:`~ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling.WindowPenalties` instead of the chain's own
-        sampler (:func:`~ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling.guard`)."""
-        bound = _INIT_SAMPLER_SIGNATURE.bind(self.llama, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
-        settings = (int(self.llama.last_n_tokens_size), arguments["repeat_penalty"], arguments["frequency_penalty"],
-                    arguments["presence_penalty"])
-        penalties = None
-        if WindowPenalties.needed(*settings):
-            penalties = WindowPenalties(*settings)
-            arguments.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
-        chain = self._init_sampler(**arguments)
-        request = current_request.get()
-        banned = None
-        if request is not None and request.ignore_eos:
-            banned = end_of_generation_ids(host.model_wrapper(self.llama))
-        return guard(chain, int(self.llama.n_vocab()), banned, penalties)
+        """The host's sampler chain, guarded where the request needs it
+        (:func:`~ckpt_plugin.hosts.llama_cpp.attachment.guarded_sampling.guarded_chain`)."""
+        return guarded_chain(self.llama, self._init_sampler, args, kwargs)
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        """The host's ``_create_completion``, noting the logits the request reads; a request for logprobs runs the
-        host without them and gets them from :mod:`ckpt_plugin.hosts.llama_cpp.attachment.logprobs` (the same values,
-        vectorized)."""
-        bound = self._completion_signature.bind(self.llama, *args, **kwargs)
-        logprobs = bound.arguments.get("logprobs")
-        reads = (logprobs is not None, bool(bound.arguments.get("echo", False)))
-        if logprobs is None or not host.wants_all_logits(self.llama):
-            # Without logits_all the host refuses logprobs itself, after its other checks: left to it.
-            return self._completion_with_reads(self._create_completion(*args, **kwargs), reads)
-        defaults = self._completion_signature.parameters
+        """The host's ``_create_completion``, noting the logits the request reads
+        (:func:`~ckpt_plugin.hosts.llama_cpp.attachment.host_logprobs.completion_noting_reads`)."""
+        return completion_noting_reads(self.llama, self._create_completion, self._completion_signature, args, kwargs,
+                                       self._note_reads)
 
-        def argument(name: str) -> Any:
-            return bound.arguments.get(name, defaults[name].default)
-
-        request = LogprobsRequest(prompt=argument("prompt"), logprobs=logprobs, echo=bool(argument("echo")),
-                                  stream=bool(argument("stream")), stop=stop_sequences(argument("stop")))
-        bound.arguments["logprobs"] = None
-        return self._completion_with_reads(self._create_completion(*bound.args[1:], **bound.kwargs), reads, request)
-
-    def _completion_with_reads(
-        self, completion: Iterator[Any], reads: tuple[bool, bool], logprobs: LogprobsRequest | None = None
-    ) -> Iterator[Any]:
-        """Iterate the host's ``completion`` for a request reading ``reads`` (``(logprobs, echo)``); with
-        ``logprobs``, the host runs without them and they are filled in
-        (:func:`~ckpt_plugin.hosts.llama_cpp.attachment.host_logprobs.completion_with_host_logprobs`)."""
-        # The host's body runs on the first next(): it calls generate() within this very call, which takes the reads
-        # (so the rows are kept even though the host itself is not asked for logprobs).
+    def _note_reads(self, reads: tuple[bool, bool]) -> None:
+        # The host's body runs on the completion's first next(): it calls generate() within that very call, which
+        # takes the reads (so the rows are kept even though the host itself is not asked for logprobs).
         self.pending_reads = reads
-        if logprobs is None:
-            yield from completion
-        else:
-            yield from completion_with_host_logprobs(self.llama, completion, logprobs)
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[int]:
         bound = self._generate_signature.bind(self.llama, tokens, *args, **kwargs)
         reset = bound.arguments.get("reset", True)
         stopping = bound.arguments.get("stopping_criteria") is not None
-        return self._generate_with_prepare(list(tokens), reset, stopping, args, kwargs)
+        return self._generation(list(tokens), reset, stopping, args, kwargs)
 
     def generation_slot(self, tokens: list[int]) -> ContextManager[None]:
         """The slot a generation of ``tokens`` runs on, held while it runs (:attr:`controller` and :attr:`backend`
         name it): this attachment's one slot. An attachment of a view of parallel slots leases one here."""
         return contextlib.nullcontext()
 
-    def _generate_with_prepare(
+    def _generation(
         self, tokens: list[int], reset: bool, stopping: bool, args: tuple, kwargs: dict
     ) -> Iterator[int]:
+        """The host's generation of ``tokens`` on the slot it holds while it runs (:meth:`generation_slot`), the slot
+        prepared for the prompt first, and ended at the request's limits."""
         with self.generation_slot(tokens):
-            yield from self._generate_on_slot(tokens, reset, stopping, args, kwargs)
+            generation = _Generation()
+            reads, self.pending_reads = self.pending_reads, None
+            with self.controller.lock:
+                # The newest generation owns the slot: an older one the host abandoned mid-stream is superseded.
+                self.current = generation
+                self.controller.mark_busy()
+                try:
+                    skip = self._begin(generation, tokens, reset, stopping, reads or (False, False))
+                except BaseException:  # a refused or failed prepare leaves the slot free, not busy for ever
+                    self._end(generation)
+                    raise
+            if skip:
+                tokens, args, kwargs = self._continuation(tokens[skip:], args, kwargs)
+            request = current_request.get()
+            try:
+                if request is None:
+                    yield from self._generate(tokens, *args, **kwargs)
+                    return
+                # The server's limits and its client's disconnect end the generation at the next token: the host
+                # then finishes the response as if max_tokens was reached, and the model is free for the next one.
+                vocab = llama_cpp.llama_model_get_vocab(self.llama.model)
+                if request.completion_tokens is None:
+                    request.completion_tokens = 0
+                try:
+                    for generated, token in enumerate(self._generate(tokens, *args, **kwargs)):
+                        if request.should_stop(generated):
+                            return
+                        if not llama_cpp.llama_vocab_is_eog(vocab, token):  # the host's usage counts it
+                            request.completion_tokens += 1
+                        yield token
+                except RequestInterrupted:
+                    return  # between two batches of the prompt: the same end, before the first token
+                except GrammarDeadEnd as exc:
+                    request.refused = Refused(422, "invalid_grammar", str(exc))
+                    raise
+            finally:
+                self._end(generation)
 
-    def _generate_on_slot(
-        self, tokens: list[int], reset: bool, stopping: bool, args: tuple, kwargs: dict
-    ) -> Iterator[int]:
-        generation = _Generation()
-        reads, self.pending_reads = self.pending_reads, None
-        with self.controller.lock:
-            # The newest generation owns the slot: an older one the host abandoned mid-stream is simply superseded.
-            self.current = generation
-            self.controller.mark_busy()
-            try:
-                skip = self._begin(generation, tokens, reset, stopping, reads or (False, False))
-            except BaseException:  # a refused or failed prepare leaves the slot free, not busy for ever
-                generation.finished = True
-                if self.current is generation:
-                    self.backend.end_generation()
-                    self.controller.mark_idle()
-                raise
-        if skip:
-            tokens, args, kwargs = self._continuation(tokens[skip:], args, kwargs)
-        request = current_request.get()
-        try:
-            if request is None:
-                yield from self._generate(tokens, *args, **kwargs)
-                return
-            # The server's limits and its client's disconnect end the generation at the next token: the host then
-            # finishes the response as if max_tokens was reached, and the model is free for the next request.
-            vocab = llama_cpp.llama_model_get_vocab(self.llama.model)
-            if request.completion_tokens is None:
-                request.completion_tokens = 0
-            try:
-                for generated, token in enumerate(self._generate(tokens, *args, **kwargs)):
-                    if request.should_stop(generated):
-                        return
-                    if not llama_cpp.llama_vocab_is_eog(vocab, token):  # the host's usage counts it
-                        request.completion_tokens += 1
-                    yield token
-            except RequestInterrupted:
-                return  # between two batches of the prompt: the same end, before the first token
-            except GrammarDeadEnd as exc:
-                request.refused = Refused(422, "invalid_grammar", str(exc))
-                raise
-        finally:
-            generation.finished = True
-            if self.current is generation:
-                self.backend.end_generation()
-                self.controller.mark_idle()
+    def _end(self, generation: _Generation) -> None:
+        """``generation`` is over: the slot is free unless a newer generation owns it."""
+        generation.finished = True
+        if self.current is generation:
+            self.backend.end_generation()
+            self.controller.mark_idle()
 
     def _begin(self, generation: _Generation, tokens: list[int], reset: bool, stopping: bool,
                reads: tuple[bool, bool]) -> int | None:
@@ -421,4 +381,4 @@ class Attachment:
 
 def attachment_of(llama: Llama) -> Attachment | None:
     """The attachment installed on ``llama``, or ``None``."""
-    return getattr(llama, _MANAGER_ATTR, None)
+    return getattr(llama, _ATTACHMENT_ATTR, None)

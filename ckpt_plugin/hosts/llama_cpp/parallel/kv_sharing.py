@@ -2,8 +2,8 @@
 
 In a unified cache every sequence's cells are in one pool, and ``llama_memory_seq_cp`` adds a sequence to cells
 another holds: the cells are then shared, neither copied nor evaluated again. :class:`PrefixSharing` offers each
-slot's planner the live memories of the other slots (their published tokens, see
-:attr:`~ckpt_plugin.hosts.llama_cpp.parallel.sequences.SequenceBackend.published`) as
+slot's planner the live memories of the other slots (the tokens their cells offer, see
+:attr:`~ckpt_plugin.hosts.llama_cpp.parallel.sequences.SequenceBackend.offered`) as
 :class:`~ckpt_plugin.engine.slot_memory.CellSource` candidates: sixteen conversations with one long system prompt
 hold it once per pool instead of once per slot.
 
@@ -44,7 +44,8 @@ _RECHECK_SECONDS = 0.5
 
 @dataclass(frozen=True)
 class LivePrefix:
-    """Another sequence's published tokens, as a planner candidate (:class:`~ckpt_plugin.engine.slot_memory.CellSource`).
+    """The tokens another sequence's cells offer, as a planner candidate
+    (:class:`~ckpt_plugin.engine.slot_memory.CellSource`).
 
     :ivar tokens: What its cells hold from position 0.
     :ivar source: The sequence.
@@ -55,7 +56,7 @@ class LivePrefix:
 
     @property
     def n_tokens(self) -> int:
-        """Every published token is held."""
+        """Every offered token is held."""
         return len(self.tokens)
 
     @property
@@ -109,28 +110,28 @@ class PrefixSharing:
         self._flights: dict[int, _Flight] = {}
         self._waiting = 0
         for backend in self.backends:
-            backend.on_publish = functools.partial(self._published, backend.seq_id)
+            backend.on_offer = functools.partial(self._offered, backend.seq_id)
 
     def peers(self, slot_id: int) -> Callable[[str], list[LivePrefix]]:
         """The other slots' live memories in a namespace, for slot ``slot_id``'s planner."""
 
-        def offered(namespace: str) -> list[LivePrefix]:
+        def live_prefixes(namespace: str) -> list[LivePrefix]:
             found = []
             for backend in self.backends:
-                published = backend.published
-                if backend.seq_id != slot_id and published is not None and published[0] == namespace:
-                    found.append(LivePrefix(published[1], backend))
+                offered = backend.offered
+                if backend.seq_id != slot_id and offered is not None and offered[0] == namespace:
+                    found.append(LivePrefix(offered[1], backend))
             return found
 
-        return offered
+        return live_prefixes
 
     def _evaluated(self, flight: _Flight) -> int:
         """How much of ``flight``'s prompt its slot's cells hold now."""
-        published = self.backends[flight.slot_id].published
-        return common_prefix(published[1], flight.prompt) if published is not None else 0
+        offered = self.backends[flight.slot_id].offered
+        return common_prefix(offered[1], flight.prompt) if offered is not None else 0
 
-    def _published(self, slot_id: int) -> None:
-        """Slot ``slot_id`` published what its cells hold (on its own thread): wake the waiters; without shared
+    def _offered(self, slot_id: int) -> None:
+        """Slot ``slot_id`` offered what its cells hold (on its own thread): wake the waiters; without shared
         cells, first park its state for them once it holds what they wait for."""
         if not self._waiting:  # read without the lock: a waiter looks again at least every _RECHECK_SECONDS
             return
@@ -150,9 +151,9 @@ class PrefixSharing:
         """The longest prefix of ``prompt`` some slot's cells hold now, for them to share (0 without sharing)."""
         held = 0
         for backend in self.backends if self.park is None else ():
-            published = backend.published
-            if published is not None and published[0] == namespace:
-                held = max(held, common_prefix(published[1], prompt))
+            offered = backend.offered
+            if offered is not None and offered[0] == namespace:
+                held = max(held, common_prefix(offered[1], prompt))
         return held
 
     @contextlib.contextmanager

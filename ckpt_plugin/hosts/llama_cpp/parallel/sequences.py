@@ -20,6 +20,7 @@ from ckpt_plugin.core.errors import PoolFullError, StateRestoreError
 from ckpt_plugin.hosts.llama_cpp.attachment.multimodal import MediaDecodeError
 from ckpt_plugin.hosts.llama_cpp.seam.context import state_flags, U8_P, writable_start, fingerprint_of, memory_kind
 from ckpt_plugin.core.memory import MemoryKind
+from ckpt_plugin.core.renamed import Renamed
 
 __all__ = ["SequenceBackend", "SequenceContext"]
 
@@ -148,12 +149,12 @@ class SequenceBackend:
         # sequence's step may take a masked window cell of this one.
         self._pos_min: int | None = None
         # (namespace, tokens) the cells hold from position 0, for other sequences of a unified cache to share
-        # (share_prefix). Set by the slot's own thread where its record and memory agree (publish); cut back under
+        # (share_prefix). Set by the slot's own thread where its record and memory agree (offer_cells); cut back under
         # the context lock by every call that removes or replaces cells, before it does: a reader holding the lock
         # never sees tokens the cells no longer hold. Appends leave it alone (it stays a prefix of the truth).
-        self.published: tuple[str, np.ndarray] | None = None
-        # Set where other sequences may share this one's cells: called after each publication.
-        self.on_publish: Callable[[], None] | None = None
+        self.offered: tuple[str, np.ndarray] | None = None
+        # Set where other sequences may share this one's cells: called after each offer.
+        self.on_offer: Callable[[], None] | None = None
 
     def evaluated(self, end: int | None, pos_min: int | None = None) -> None:
         """The sequence, cut to some ``n_past`` first, got positions ``n_past..end - 1`` from a caller other than
@@ -170,7 +171,7 @@ class SequenceBackend:
         if p1 < 0 and not self.kind.recurrent and self.end_bound is not None and self.end_bound <= start:
             return True  # nothing there to remove
         with self.context.lock:
-            self._unpublish_from(start)
+            self._withdraw_from(start)
             removed = bool(llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq_id, p0, p1))
             self._ask_pos_max()
         if removed and p1 < 0:
@@ -203,7 +204,7 @@ class SequenceBackend:
             # Unknown, not pos_max: a partial state restores the window only, and a sliding-window memory reports
             # the window's positions while its full-attention cells may hold more.
             self.end_bound = None
-            self.published = None
+            self.offered = None
             read = self._set_state(buffer, partial)
             make_room = self.context.make_room
             while read == 0 and make_room is not None and make_room():
@@ -216,41 +217,46 @@ class SequenceBackend:
         return int(llama_cpp.llama_state_seq_set_data_ext(
             self.context.ctx, buffer.ctypes.data_as(U8_P), buffer.nbytes, self.seq_id, state_flags(partial)))
 
-    def _unpublish_from(self, start: int) -> None:
+    def _withdraw_from(self, start: int) -> None:
         # The lock is held: the cells from ``start`` on are about to go.
-        published = self.published
-        if published is not None and len(published[1]) > start:
-            self.published = (published[0], published[1][:start]) if start > 0 else None
+        offered = self.offered
+        if offered is not None and len(offered[1]) > start:
+            self.offered = (offered[0], offered[1][:start]) if start > 0 else None
 
-    def publish(self, namespace: str, tokens: np.ndarray) -> None:
-        """The cells hold ``tokens`` from position 0 (the slot's record, which its own thread keeps; no lock: only
-        this thread changes the sequence, and a reader holds the lock, which every change of cells takes)."""
-        if self.on_publish is None:
+    def offer_cells(self, namespace: str, tokens: np.ndarray) -> None:
+        """The cells hold ``tokens`` from position 0: offer them to the other sequences (the slot's record, which
+        its own thread keeps; no lock: only this thread changes the sequence, and a reader holds the lock, which
+        every change of cells takes)."""
+        if self.on_offer is None:
             return  # no sequence shares this one's cells (a KV stream each, or a kind that keeps them apart)
         copied = np.array(tokens, dtype=np.int32)
         copied.flags.writeable = False
-        self.published = (namespace, copied) if len(copied) else None
-        self.on_publish()
+        self.offered = (namespace, copied) if len(copied) else None
+        self.on_offer()
+
+    # Deprecated: "publish" is the shared tier's word (docs/design.md, "Words").
+    publish = Renamed("offer_cells")
+    published = Renamed("offered")
 
     def share_prefix(self, source: SequenceBackend, tokens: np.ndarray, n_keep: int) -> bool:
         """Hold ``source``'s first ``n_keep`` cells, shared (``llama_memory_seq_cp`` within one KV cache: no copy),
         in place of this sequence's; ``False`` (nothing changed) unless ``source`` still holds ``tokens[:n_keep]``."""
         context = self.context
         with context.lock:
-            published = source.published
-            if (published is None or len(published[1]) < n_keep
-                    or not np.array_equal(published[1][:n_keep], tokens[:n_keep])):
+            offered = source.offered
+            if (offered is None or len(offered[1]) < n_keep
+                    or not np.array_equal(offered[1][:n_keep], tokens[:n_keep])):
                 return False
-            self._unpublish_from(0)
+            self._withdraw_from(0)
             llama_cpp.llama_memory_seq_rm(context.memory, self.seq_id, -1, -1)
             llama_cpp.llama_memory_seq_cp(context.memory, source.seq_id, self.seq_id, 0, n_keep)
             held = self._ask_pos_max() + 1
             self.end_bound = held
             if held != n_keep:
                 return False
-            self.published = (published[0], published[1][:n_keep])
-        if self.on_publish is not None:
-            self.on_publish()
+            self.offered = (offered[0], offered[1][:n_keep])
+        if self.on_offer is not None:
+            self.on_offer()
         return True
 
     def decode_media(self, into: Callable[[Any, int, int], int], n_past: int) -> int:
@@ -274,7 +280,7 @@ class SequenceBackend:
         context = self.context
         self.remove(n_past, -1)  # as the host's eval cuts to its n_tokens first; normally nothing is there
         with context.lock:
-            self._unpublish_from(n_past)
+            self._withdraw_from(n_past)
             self.end_bound = self._pos_max = self._pos_min = None
             while True:
                 try:

@@ -148,7 +148,7 @@ class SlotDraft(LlamaDraftModel):
     @property
     def controller(self) -> SlotController:
         """The draft engine's slot of this target slot."""
-        return self.drafts.engine.slots[self.slot_id]
+        return self.drafts.engine.controllers[self.slot_id]
 
     def sync(self, tokens: np.ndarray) -> None:
         """Make the draft sequence hold ``tokens`` (evaluating only what it does not hold yet)."""

@@ -102,7 +102,7 @@ class DraftModel(LlamaDraftModel):
     @property
     def controller(self) -> SlotController:
         """The draft engine's slot (the draft context's one sequence)."""
-        return self.manager.slots[0]
+        return self.manager.controllers[0]
 
     @property
     def acceptance(self) -> float:
