@@ -14,7 +14,8 @@ same work, each part in a fresh process (the page store is per process, as a rep
 - **restore**: restoring a 1,200-token conversation's full state (pages assembled, then ``llama_state_seq_set``)
   against restoring it whole, by page size.
 
-Run: ``.venv/bin/python bench/paged_states.py`` (about 6 minutes), ``--quick`` (page sizes 0 and 32 only),
+Run: ``.venv/bin/python bench/paged_states.py`` (about 15 minutes), ``--quick`` (page sizes 0 and 32 only),
+``--page-sizes``, ``--budget-sizes`` (default 0 and 32: the budget run of other sizes is skipped),
 ``--markdown PATH`` (default ``docs/bench-sections/52-paged-states.md``), ``--json PATH``.
 """
 
@@ -180,7 +181,7 @@ def in_process(function: str, *args: Any) -> Any:
     return value
 
 
-def run(page_sizes: Sequence[int], progress: bool = True) -> dict[str, Any]:
+def run(page_sizes: Sequence[int], budget_sizes: Sequence[int], progress: bool = True) -> dict[str, Any]:
     results: dict[str, Any] = {"page_sizes": list(page_sizes), "configs": {}}
     for size in page_sizes:
         if progress:
@@ -188,9 +189,11 @@ def run(page_sizes: Sequence[int], progress: bool = True) -> dict[str, Any]:
         with redis_server() as url:
             written = in_process("write_turns", size, url)
             moved = in_process("move_turns", size, url, written.pop("conversations"))
-        if progress:
-            print(f"page_positions={size}: budget", flush=True)
-        budget = in_process("fill_budget", size)
+        budget = None
+        if size in budget_sizes:
+            if progress:
+                print(f"page_positions={size}: budget", flush=True)
+            budget = in_process("fill_budget", size)
         results["configs"][str(size)] = {"shared": written, "moved": moved, "budget": budget}
     if progress:
         print("restore times", flush=True)
@@ -203,6 +206,7 @@ def summarize(results: dict[str, Any]) -> list[list[Any]]:
     for size, config in results["configs"].items():
         written = config["shared"]["written"]
         moved = config["moved"]
+        budget = config["budget"]
         rows.append([
             "whole states" if size == "0" else f"pages of {size}",
             fmt_bytes(statistics.mean(written[0])),
@@ -211,8 +215,8 @@ def summarize(results: dict[str, Any]) -> list[list[Any]]:
             f"{statistics.median(moved['moved']) * 1e3:.0f} ms / {statistics.median(moved['local']) * 1e3:.0f} ms "
             f"= {statistics.median(moved['moved']) / statistics.median(moved['local']):.2f}x",
             f"{moved['pages_read']} / {moved['pages_held']}",
-            f"{config['budget']['held']}{'' if config['budget']['evicted'] else '+ (no eviction)'}",
-            f"{config['budget']['sharing_ratio']:.1f}",
+            "-" if budget is None else f"{budget['held']}{'' if budget['evicted'] else '+ (no eviction)'}",
+            "-" if budget is None else f"{budget['sharing_ratio']:.1f}",
             f"{results['restore'][size] * 1e3:.1f} ms",
         ])
     return rows
@@ -252,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="page sizes 0 and 32 only")
     parser.add_argument("--page-sizes", default=None, help="comma-separated page sizes (0: whole states)")
+    parser.add_argument("--budget-sizes", default="0,32", help="the page sizes whose budget run is measured")
     parser.add_argument("--markdown", type=pathlib.Path, default=MARKDOWN_PATH)
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--render", type=pathlib.Path, help="write the markdown of a run saved with --json again")
@@ -262,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         sizes = [int(s) for s in args.page_sizes.split(",")] if args.page_sizes else (
             [0, 32] if args.quick else list(PAGE_SIZES))
-        results = run(sizes)
+        results = run(sizes, [int(s) for s in args.budget_sizes.split(",")])
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
     text = markdown(results, command)

@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ckpt_plugin.core.entry import DEFAULT_MAX_BYTES
+from ckpt_plugin.core.kv_events_config import KvEventsConfig, parse_kv_events_config
 
 __all__ = [
     "CheckpointSettings",
@@ -276,10 +277,22 @@ class ServeSettings(CheckpointSettings):
         "arriving together with one new prefix evaluate it once. Ignored with parallel 1.",
     )
 
+    kv_events_config: KvEventsConfig | None = Field(
+        None, description="vLLM's --kv-events-config, the same JSON object (e.g. '{\"enable_kv_cache_events\": "
+        "true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'): publish BlockStored, "
+        "BlockRemoved and AllBlocksCleared for the pages of the states this server holds, as vLLM publishes its "
+        "blocks (ZeroMQ, msgpack), for KV-aware routers. Needs pip install 'ckpt_plugin[kv-events]'. None: off.",
+    )
+
     @field_validator("max_body_bytes", mode="before")
     @classmethod
     def _body_size(cls, value: int | str) -> int:
         return parse_size(value)
+
+    @field_validator("kv_events_config", mode="before")
+    @classmethod
+    def _kv_events_config(cls, value: object) -> object:
+        return parse_kv_events_config(value)
 
     @model_validator(mode="after")
     def _header_named(self) -> "ServeSettings":

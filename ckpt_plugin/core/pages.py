@@ -13,16 +13,23 @@ positions it covers. Equal ids mean equal bytes, so a page is stored once: a :cl
 pages, and a new capture takes a page that exists from there instead of copying its bytes. A page is an ordinary
 read-only state buffer: whatever holds a paged state holds its pages by reference, and the budgets, which count
 unique buffers, count each page once. A page lives as long as one state references it.
+
+A :class:`PageListener` on the store hears of each page as it is first stored (with the tokens and positions it
+holds), as it goes (its last holder dropped it), as another tier writes it by id, and as the cache is cleared: the
+KV events (:mod:`ckpt_plugin.services.kv_events`) listen there. Without a listener nothing of this is computed.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import struct
 import threading
+import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -31,6 +38,8 @@ from ckpt_plugin.core.state_layout import KvSection, StateLayout, Stripe
 __all__ = [
     "DEFAULT_PAGE_POSITIONS",
     "PAGES",
+    "PageInfo",
+    "PageListener",
     "PageTally",
     "PagedSection",
     "PagedState",
@@ -48,11 +57,13 @@ class TokenChain:
     """Chained hashes of a token sequence, one per ``block`` tokens, seeded by what else decides a state's bytes.
 
     ``at(end)`` names tokens ``[0, end)``: the hash of the block before ``end``'s block and the tokens after it.
+    ``namespace`` is the tenant namespace folded into ``seed``, kept for a :class:`PageListener`.
     """
 
-    def __init__(self, seed: bytes, tokens: np.ndarray, block: int) -> None:
+    def __init__(self, seed: bytes, tokens: np.ndarray, block: int, namespace: str = "") -> None:
         self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         self.block = block
+        self.namespace = namespace
         self._blocks = [hashlib.blake2b(seed, digest_size=16).digest()]
 
     def at(self, end: int) -> bytes:
@@ -90,16 +101,97 @@ class PageTally:
             self.bytes_shared += n_bytes
 
 
+@dataclass(frozen=True, slots=True)
+class PageInfo:
+    """What one page holds, for a :class:`PageListener`.
+
+    :ivar page_id: The page's id.
+    :ivar parent_id: The id of the whole page before it in the same cache (positions ``start - page_positions`` to
+        ``start``), whether or not a state holds that one now; ``None`` for a page at position 0 or one that does not
+        start on a page boundary.
+    :ivar tokens: The token ids at the page's positions.
+    :ivar start: Its first position.
+    :ivar depth: Which attention cache, counted from the last (0: the only cache of most models; an iSWA model's
+        window cache, whose full cache is 1).
+    :ivar page_positions: The page size of the states it was cut from.
+    :ivar namespace: The tenant namespace folded into its id.
+    """
+
+    page_id: bytes
+    parent_id: bytes | None
+    tokens: np.ndarray
+    start: int
+    depth: int
+    page_positions: int
+    namespace: str
+
+    @property
+    def whole(self) -> bool:
+        """Whether the page covers one whole block of ``page_positions`` positions, as a cache block does."""
+        return self.start % self.page_positions == 0 and len(self.tokens) == self.page_positions
+
+
+class PageListener(Protocol):
+    """Hears what happens to pages. Called on the threads that capture and drop states, sometimes while a lock of
+    the caller is held: an implementation only records (appends to a queue) and returns."""
+
+    def page_stored(self, info: PageInfo, token: int) -> None:
+        """A page is live in this process and was not announced yet; ``token`` names this announcement."""
+
+    def page_gone(self, page_id: bytes, token: int) -> None:
+        """The page of announcement ``token`` was freed (its last holder dropped it). A page of the same id may have
+        been announced again meanwhile (under another token): only the latest announcement counts."""
+
+    def tier_stored(self, tier: str, page_ids: Sequence[bytes]) -> None:
+        """Tier ``tier`` (``"shared"``, ``"disk"``) wrote the live pages ``page_ids``."""
+
+    def cleared(self, namespace: str | None) -> None:
+        """Every tier forgot ``namespace``'s state (everyone's, for ``None``)."""
+
+
 class PageStore:
     """The live pages by id (weakly: a page goes when the last state holding it does).
 
     :ivar tally: Every page interned here: copied out of a capture, or found live and referenced instead.
+    :ivar listener: Hears of pages stored and gone (see :meth:`listen`); ``None`` for none.
+    :ivar announce_seconds: Time the capturing threads spent announcing pages to the listener (describing them,
+        calling it, watching them go).
     """
 
     def __init__(self) -> None:
         self._pages: weakref.WeakValueDictionary[bytes, np.ndarray] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self.tally = PageTally()
+        self.listener: PageListener | None = None
+        # The page object each id was last announced for: a page found live is announced once, a new page of an id
+        # whose last one went is announced again.
+        self._announced: weakref.WeakValueDictionary[bytes, np.ndarray] = weakref.WeakValueDictionary()
+        self._tokens = itertools.count(1)
+        self.announce_seconds = 0.0
+
+    def listen(self, listener: PageListener | None) -> None:
+        """Tell ``listener`` of the pages stored from now on (``None``: stop telling). Pages already live are
+        announced when a capture next references them."""
+        with self._lock:
+            self.listener = listener
+            self._announced.clear()
+
+    def tier_stored(self, tier: str, page_ids: Sequence[bytes]) -> None:
+        """Tier ``tier`` wrote the live pages ``page_ids`` (told to the listener, if any)."""
+        listener = self.listener
+        if listener is not None and page_ids:
+            listener.tier_stored(tier, page_ids)
+
+    def cleared(self, namespace: str | None) -> None:
+        """Every tier forgot ``namespace``'s state (everyone's, for ``None``): told to the listener, and after a whole
+        clear every live page is announced again when a capture next references it."""
+        listener = self.listener
+        if listener is None:
+            return
+        with self._lock:
+            if namespace is None:
+                self._announced.clear()
+            listener.cleared(namespace)
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -109,9 +201,11 @@ class PageStore:
         with self._lock:
             return self._pages.get(page_id)
 
-    def intern(self, page_id: bytes, make: Callable[[], np.ndarray], tally: PageTally | None = None) -> np.ndarray:
+    def intern(self, page_id: bytes, make: Callable[[], np.ndarray], tally: PageTally | None = None,
+               describe: Callable[[], PageInfo] | None = None) -> np.ndarray:
         """The live page ``page_id`` names, or the one ``make`` builds, stored under that id (``tally`` counts
-        which)."""
+        which). With a listener, a page not announced yet is announced with what ``describe`` says of it (a page
+        without one, read from a tier by id, is announced once a capture describes it)."""
         with self._lock:
             page = self._pages.get(page_id)
         stored = page is None
@@ -125,7 +219,24 @@ class PageStore:
             self.tally.count(stored, page.nbytes)
         if tally is not None:
             tally.count(stored, page.nbytes)
+        listener = self.listener
+        if listener is not None and describe is not None:
+            self._announce(listener, page_id, page, describe)
         return page
+
+    def _announce(self, listener: PageListener, page_id: bytes, page: np.ndarray,
+                  describe: Callable[[], PageInfo]) -> None:
+        started = time.perf_counter()
+        with self._lock:
+            announced = self._announced.get(page_id) is page
+            if not announced:
+                self._announced[page_id] = page
+                token = next(self._tokens)
+        if not announced:
+            # Stored before the finalizer exists, so the listener hears of a page's going only after its storing.
+            listener.page_stored(describe(), token)
+            weakref.finalize(page, listener.page_gone, page_id, token).atexit = False
+        self.announce_seconds += time.perf_counter() - started
 
     @property
     def unique_bytes(self) -> int:
@@ -275,16 +386,34 @@ def _page_section(state: np.ndarray, section: KvSection, depth: int, chain: Toke
     start = first
     while start < first + n_cells:
         end = min((start // page_positions + 1) * page_positions, first + n_cells)
-        page_id = hashlib.blake2b(chain.at(end) + signature + struct.pack("<III", depth, start, end),
-                                  digest_size=16).digest()
+        page_id = _page_id(chain, signature, depth, start, end)
         begin = start - first
         rows = slice(begin, begin + end - start) if in_order else order[begin: begin + end - start]
+        describe = None
+        if store.listener is not None:
+            describe = functools.partial(_describe, chain, signature, depth, start, end, page_id,
+                                         ids[-1] if ids and counts[-1] == page_positions else None)
         pages.append(store.intern(page_id, lambda rows=rows, cells=end - start: _cut(state, section, rows, cells,
-                                                                                        per_cell), tally))
+                                                                                        per_cell), tally, describe))
         ids.append(page_id)
         counts.append(end - start)
         start = end
     return PagedSection(section.head, section.tail, section.stripes, tuple(ids), tuple(pages), tuple(counts))
+
+
+def _page_id(chain: TokenChain, signature: bytes, depth: int, start: int, end: int) -> bytes:
+    return hashlib.blake2b(chain.at(end) + signature + struct.pack("<III", depth, start, end), digest_size=16).digest()
+
+
+def _describe(chain: TokenChain, signature: bytes, depth: int, start: int, end: int, page_id: bytes,
+              previous: bytes | None) -> PageInfo:
+    """What the page of positions ``[start, end)`` holds; ``previous`` is the whole page before it, where the state
+    holds that one (else its id is computed: a window cache starts inside a page, or past the whole one before)."""
+    block = chain.block
+    parent = None
+    if start % block == 0 and start >= block:
+        parent = previous if previous is not None else _page_id(chain, signature, depth, start - block, start)
+    return PageInfo(page_id, parent, chain.tokens[start:end].copy(), start, depth, block, chain.namespace)
 
 
 def _cut(state: np.ndarray, section: KvSection, rows: slice | np.ndarray, cells: int, per_cell: int) -> np.ndarray:

@@ -69,7 +69,7 @@ class StatePager:
             self._keep_whole(f"layout: {exc}")
             return buffer
         tally = PageTally()
-        paged = page_state(buffer, layout, TokenChain(self._seed(namespace), tokens, self.page_positions),
+        paged = page_state(buffer, layout, TokenChain(self._seed(namespace), tokens, self.page_positions, namespace),
                            self.store, self.page_positions, tally)
         if paged is None:
             self._keep_whole("cells outside the slot's positions")

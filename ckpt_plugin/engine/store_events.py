@@ -29,7 +29,7 @@ class EngineStoreEvents:
         self.hooks = hooks
         self.counters = counters
 
-    def allow_admission(self, entry: CacheEntry, n_bytes: int) -> bool:
+    def allow(self, entry: CacheEntry, n_bytes: int) -> bool:
         # A None from every plugin admits the entry.
         return self.hooks.call(self.hooks.hook.on_cache_alloc, namespace=entry.namespace, n_tokens=entry.n_tokens,
                                n_bytes=n_bytes) is not False

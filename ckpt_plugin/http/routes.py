@@ -52,6 +52,7 @@ from ckpt_plugin.http.metrics import CONTENT_TYPE, Metrics, ModelStats, live_sta
 from ckpt_plugin.persist.paths import safe_path
 from ckpt_plugin.http.request_checks import RequestRejected, check_content_type
 from ckpt_plugin.core.counters import Cleared
+from ckpt_plugin.core.pages import PAGES
 from ckpt_plugin.http.tenants import Caller, Tenants
 
 __all__ = ["CheckpointRoutes", "Managers", "unique_managers"]
@@ -224,6 +225,7 @@ class CheckpointRoutes:
             cleared = await run_in_threadpool(
                 lambda: Cleared.combine(m.clear_cache(namespace, wait) for m in unique_managers(managers))
             )
+            PAGES.cleared(namespace)  # the KV events: AllBlocksCleared, or the namespace's shared pages removed
             return JSONResponse(cleared.as_json())
 
     async def stats(self, request: Request, caller: Caller) -> Response:

@@ -4,6 +4,8 @@ A file holds one :class:`~ckpt_plugin.core.entry.CacheEntry`: the model fingerpr
 state and the checkpoints of its lineage, each state record with its target blob and its extra states, each a blob
 stored with its name (a draft model's, a speculative decoder's, any plugin's). Blob payloads start on 64-byte
 boundaries. Files of version 1.0, whose records had a draft and a speculative blob in fixed places, are still read.
+Since 2.1 a record's target may be a page map instead of the state's bytes (:data:`FILE_PAGED`): the disk tier
+stores each page once, as a file of its page directory (:class:`PageFiles`), and an entry file names its pages.
 
 :func:`read_entry` reads the file once, in one pass, into private anonymous memory: each blob straight into a state
 buffer of its own (from a :class:`~ckpt_plugin.core.checkpoint.StateBufferPool`), the rest into one small buffer; then
@@ -32,15 +34,18 @@ from ckpt_plugin.persist.layout import (
     ALIGNMENT,
     EntryHeader,
     FILE_BLOB_REFS,
+    FILE_PAGED,
     FORMAT_VERSION,
     MAGIC,
     MAX_EXTRAS,
     MAX_RECORDS,
+    PAGED_VERSION,
     READ_VERSIONS,
 )
 from ckpt_plugin.persist.write import encode_entry, write_entry
 from ckpt_plugin.persist.read import decode_entry, read_entry, read_header, read_recorded_namespace
 from ckpt_plugin.persist.paths import iter_entry_files, remove_stale_temp_files, safe_path
+from ckpt_plugin.persist.page_files import PageFileError, PageFiles
 
 from ckpt_plugin.core.errors import CorruptFileError, UnsafePathError
 
@@ -50,10 +55,14 @@ __all__ = [
     "MAGIC",
     "MAX_EXTRAS",
     "MAX_RECORDS",
+    "PAGED_VERSION",
     "READ_VERSIONS",
     "CorruptFileError",
     "EntryHeader",
     "FILE_BLOB_REFS",
+    "FILE_PAGED",
+    "PageFileError",
+    "PageFiles",
     "UnsafePathError",
     "iter_entry_files",
     "decode_entry",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple
 import numpy as np
 from ckpt_plugin.core.checkpoint import DRAFT, SPECULATIVE, TARGET
 
@@ -18,6 +19,7 @@ __all__ = [
     "EntryHeader",
     "FILE_BLOB_REFS",
     "FILE_FLAGS_REQUIRED",
+    "FILE_PAGED",
     "FIXED_HEADER",
     "FORMAT_VERSION",
     "INT32_RANGE",
@@ -27,9 +29,11 @@ __all__ = [
     "MAX_RECORDS",
     "MAX_TEXT_BYTES",
     "MIN_FILE_SIZE",
+    "PAGED_VERSION",
     "READ_VERSIONS",
     "RECORD_V1",
     "REC_KNOWN_V1",
+    "REC_PAGED",
     "REC_PARTIAL",
     "REC_TARGET",
     "Record",
@@ -51,12 +55,17 @@ MAGIC = b"CKPTSLOT"
 END_MAGIC = b"CKPT_END"
 """Last 8 bytes of every completely written file."""
 FORMAT_VERSION = (2, 0)
-"""(major, minor) written by this module. Readers refuse a major version they do not know (this one reads 1 and 2);
-minor versions only add optional file flags (bits 16-31), which older readers ignore. Required flags (bits 0-15)
-mark data a reader must not take for an ordinary file; a reader refuses every one it does not know."""
+"""(major, minor) of the files whose states are all whole (slot files, disk-tier entries of whole states, the shared
+tier's manifests): byte for byte what every 2.x reader reads. Readers refuse a major version they do not know (this
+one reads 1 and 2). A minor version keeps the layout and only adds file flags: optional ones (bits 16-31), which
+older readers ignore, and required ones (bits 0-15), which mark data a reader must not take for an ordinary file:
+a reader refuses every required flag it does not know, so an older reader refuses such a file, never misreads it."""
+PAGED_VERSION = (2, 1)
+"""(major, minor) of the files with paged records (:data:`FILE_PAGED`): the disk tier's entries whose target states
+are page maps, their pages stored as files of their own. A file is written in the oldest version that holds it."""
 READ_VERSIONS = (1, 2)
 """Major versions this module reads: 1.x (draft and speculative blobs in fixed places of each record) and 2.x
-(extra states as named blob records)."""
+(extra states as named blob records; since 2.1, paged records)."""
 ALIGNMENT = 64
 """Tokens, records and blob payloads start at multiples of this offset (and so of the mapping's address)."""
 MAX_TEXT_BYTES = 4096
@@ -97,8 +106,15 @@ FILE_FLAGS_REQUIRED = 0x0000FFFF
 FILE_BLOB_REFS = 1 << 0
 """Required file flag: every blob payload is a reference to state bytes stored elsewhere, not the bytes (the
 shared tier's manifests); only :func:`decode_entry` with ``blob_refs=True`` reads such data."""
+FILE_PAGED = 1 << 1
+"""Required file flag (version 2.1 and later): the records flagged :data:`REC_PAGED` hold a page map
+(:mod:`ckpt_plugin.persist.page_map`) as their target payload, whose pages are files of a page directory
+(:mod:`ckpt_plugin.persist.page_files`); only :func:`read_entry` given that directory reads their states."""
 REC_PARTIAL = 1 << 0
 """Record flag (both versions): the state is partial."""
+REC_PAGED = 1 << 1
+"""State record flag (version 2, files with :data:`FILE_PAGED` only): the target payload is a page map, not the
+state's bytes."""
 # Version 1 record flags: which of the three fixed blobs are present.
 REC_TARGET = 1 << 1
 REC_DRAFT = 1 << 2
@@ -124,6 +140,8 @@ class EntryHeader:
     :ivar file_size: Size of the file in bytes.
     :ivar n_checkpoints: Checkpoints stored besides the full state.
     :ivar version: ``(major, minor)`` format version of the file.
+    :ivar pages: The pages the file's paged records name: their ids and sizes in bytes (read only when asked, see
+        :func:`~ckpt_plugin.persist.read_header`; empty for a file whose states are whole).
     """
 
     fingerprint: str
@@ -133,6 +151,7 @@ class EntryHeader:
     file_size: int
     n_checkpoints: int
     version: tuple[int, int]
+    pages: Mapping[bytes, int] = field(default_factory=dict)
 
 
 def pad(n: int) -> int:
@@ -142,5 +161,16 @@ def pad(n: int) -> int:
 
 ZEROS = bytes(ALIGNMENT)
 
-# (offset after the record, n_tokens, pos_min, pos_max, partial, [(name, offset, length) per blob, the target first])
-Record = tuple[int, int, int, int, bool, list[tuple[str, int, int]]]
+class Record(NamedTuple):
+    """A parsed state record."""
+
+    end: int
+    """Offset after the record (its extra records included)."""
+    n_tokens: int
+    pos_min: int
+    pos_max: int
+    partial: bool
+    blobs: list[tuple[str, int, int]]
+    """``(name, offset, length)`` per blob, the target first."""
+    paged: bool = False
+    """The target payload is a page map (:data:`REC_PAGED`)."""

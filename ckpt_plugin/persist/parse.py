@@ -18,6 +18,7 @@ from ckpt_plugin.persist.layout import (
     EXTRA_KIND,
     EXTRA_RECORD,
     FILE_FLAGS_REQUIRED,
+    FILE_PAGED,
     FIXED_HEADER,
     MAGIC,
     MAX_EXTRAS,
@@ -25,9 +26,11 @@ from ckpt_plugin.persist.layout import (
     MAX_RECORDS,
     MAX_TEXT_BYTES,
     MIN_FILE_SIZE,
+    PAGED_VERSION,
     READ_VERSIONS,
     RECORD_V1,
     REC_KNOWN_V1,
+    REC_PAGED,
     REC_PARTIAL,
     REC_TARGET,
     Record,
@@ -91,6 +94,9 @@ def parse_header(source: Source, known_flags: int = 0) -> FileHeader:
         raise source.fail(f"unsupported format version {major}.{minor} (this reader reads {readable})", 8)
     if flags & FILE_FLAGS_REQUIRED & ~known_flags:
         raise source.fail(f"unknown required file flags {flags & FILE_FLAGS_REQUIRED & ~known_flags:#06x}", 12)
+    if flags & FILE_PAGED and (major, minor) < PAGED_VERSION:
+        raise source.fail(f"paged records in a file of version {major}.{minor} (they came with "
+                          f"{'.'.join(map(str, PAGED_VERSION))})", 12)
     body_end = size - TRAILER.size
     trailer_offset, _, end_magic = source.unpack(TRAILER, body_end, size, "trailer")
     if end_magic != END_MAGIC:
@@ -151,7 +157,7 @@ def parse_records(source: Source, header: FileHeader) -> list[Record]:
     for index in range(header.n_records):
         record = parse(source, header, index, offset)
         records.append(record)
-        offset = record[0]
+        offset = record.end
     if offset != end:
         raise source.fail(f"{end - offset} unexpected bytes after the last record", offset)
     return records
@@ -182,13 +188,17 @@ def _parse_state(source: Source, header: FileHeader, index: int, offset: int) ->
     kind, flags, n_tokens, pos_min, pos_max, length, n_extras, reserved = source.unpack(STATE_RECORD, offset, end, what)
     if kind != STATE_KIND:
         raise source.fail(f"{what} is not a state record (kind {kind!r})", offset)
-    if flags & ~REC_PARTIAL:
-        raise source.fail(f"{what} has unknown flags {flags & ~REC_PARTIAL:#x}", offset + 4)
+    known = REC_PARTIAL | (REC_PAGED if header.flags & FILE_PAGED else 0)
+    if flags & ~known:
+        raise source.fail(f"{what} has unknown flags {flags & ~known:#x}", offset + 4)
     if reserved.count(0) != len(reserved):
         raise source.fail(f"{what} has non-zero reserved fields", offset + 44)
     _check_state(source, header, index, offset + 8, n_tokens, pos_min, pos_max)
     if n_extras > MAX_EXTRAS:
         raise source.fail(f"{what} names {n_extras} extra states, more than {MAX_EXTRAS}", offset + 40)
+    paged = bool(flags & REC_PAGED)
+    if paged and length == 0:
+        raise source.fail(f"{what} is paged but holds no page map", offset + 32)
     start = offset + STATE_RECORD.size
     blobs = [(TARGET, start, length)]
     offset = _blob(source, f"{what} target", start, length, offset + 32, end)
@@ -208,7 +218,7 @@ def _parse_state(source: Source, header: FileHeader, index: int, offset: int) ->
         previous = name
         blobs.append((name.decode("ascii"), offset + EXTRA_RECORD.size, length))
         offset = _blob(source, f"{extra} ({name.decode()})", offset + EXTRA_RECORD.size, length, offset + 8, end)
-    return offset, n_tokens, pos_min, pos_max, bool(flags & REC_PARTIAL), blobs
+    return Record(offset, n_tokens, pos_min, pos_max, bool(flags & REC_PARTIAL), blobs, paged)
 
 
 def _valid_name(name: bytes) -> bool:
@@ -241,7 +251,7 @@ def _parse_state_v1(source: Source, header: FileHeader, index: int, offset: int)
             blobs.append((name, offset, length))
             offset = _blob(source, f"{what} {name}", offset, length, length_offset, end)
         length_offset += 8
-    return offset, n_tokens, pos_min, pos_max, bool(flags & REC_PARTIAL), blobs
+    return Record(offset, n_tokens, pos_min, pos_max, bool(flags & REC_PARTIAL), blobs)
 
 
 def validate(source: Source, expected_fingerprint: str | None, known_flags: int) -> tuple[FileHeader, list[Record]]:

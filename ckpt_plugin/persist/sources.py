@@ -137,8 +137,8 @@ def private_layout(size: int, records: list[Record], pool: StateBufferPool | Non
     gaps: list[tuple[int, int]] = []
     position = 0
     try:
-        for *_, record_blobs in records:
-            for _, offset, length in record_blobs:
+        for record in records:
+            for _, offset, length in record.blobs:
                 if length == 0:
                     continue
                 gaps.append((position, offset))

@@ -1,4 +1,5 @@
-"""Writing an entry: atomically to a file (:func:`write_entry`), or to bytes (:func:`encode_entry`)."""
+"""Writing an entry: atomically to a file (:func:`write_entry`), or to bytes (:func:`encode_entry`); any file
+atomically (:func:`write_atomically`)."""
 
 from __future__ import annotations
 import errno
@@ -8,11 +9,13 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 import numpy as np
 from ckpt_plugin.core.entry import CacheEntry
 from ckpt_plugin.core.checkpoint import Checkpoint, check_extra_name
 from ckpt_plugin.core.errors import IncompatibleStateError
+from ckpt_plugin.core.pages import PagedState
+from ckpt_plugin.persist.page_map import encode_page_map
 
 from ckpt_plugin.persist.layout import (
     CHUNK_SIZE,
@@ -21,6 +24,7 @@ from ckpt_plugin.persist.layout import (
     EXTRA_KIND,
     EXTRA_RECORD,
     FILE_BLOB_REFS,
+    FILE_PAGED,
     FIXED_HEADER,
     FORMAT_VERSION,
     INT32_RANGE,
@@ -29,6 +33,8 @@ from ckpt_plugin.persist.layout import (
     MAX_NAME_BYTES,
     MAX_RECORDS,
     MAX_TEXT_BYTES,
+    PAGED_VERSION,
+    REC_PAGED,
     REC_PARTIAL,
     STATE_KIND,
     STATE_RECORD,
@@ -41,7 +47,7 @@ from ckpt_plugin.persist.layout import (
     pad,
 )
 
-__all__ = ["encode_entry", "write_entry"]
+__all__ = ["encode_entry", "fsync_directory", "write_all", "write_atomically", "write_entry"]
 
 def _write_chunk(file: BinaryIO, chunk: memoryview) -> int:
     """Write part of ``chunk`` (one ``write`` call); return the bytes written. The single place data hits the file."""
@@ -67,6 +73,11 @@ def _emit(file: BinaryIO, hashers: tuple, data: bytes | memoryview) -> int:
             done += _write_chunk(file, chunk[done:])
         offset += len(chunk)
     return total
+
+
+def write_all(file: BinaryIO, data: bytes | memoryview) -> int:
+    """Write ``data`` to ``file`` whole, in chunks, without copying it; return its length."""
+    return _emit(file, (), data)
 
 
 def _check_blob(name: str, buffer: np.ndarray) -> memoryview:
@@ -101,7 +112,8 @@ def _tokens_for_disk(tokens: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=TOKEN_DTYPE)
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """``fsync`` ``directory``, so that the names created or renamed in it last (where the platform allows)."""
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
     try:
         fd = os.open(directory, flags)
@@ -118,7 +130,8 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_entry(path: str | os.PathLike[str], entry: CacheEntry, *, model_fingerprint: str) -> int:
+def write_entry(path: str | os.PathLike[str], entry: CacheEntry, *, model_fingerprint: str,
+                paged: bool = False) -> int:
     """Write ``entry`` to ``path`` atomically; return the bytes written (the file's size).
 
     The data goes to a temporary file in the same directory (named ``.ckpt-tmp-*.tmp``), is flushed and
@@ -129,18 +142,36 @@ def write_entry(path: str | os.PathLike[str], entry: CacheEntry, *, model_finger
     :param path: Destination. Pass a client-supplied name through :func:`safe_path` first.
     :param entry: The entry; its state and checkpoints must all belong to ``model_fingerprint``.
     :param model_fingerprint: The fingerprint of the model/context the states were captured on.
+    :param paged: Write each paged target state as its page map (a file of :data:`PAGED_VERSION`), not its bytes:
+        the caller stores the pages (the disk tier's page directory, :mod:`ckpt_plugin.persist.page_files`) and
+        reads the file back with that directory. Without it every state is written whole, in
+        :data:`FORMAT_VERSION`.
     :raises IncompatibleStateError: A state of the entry belongs to another fingerprint.
     :raises ValueError: The entry cannot be represented (non-uint8 blobs, oversized strings, too many records...).
     :raises OSError: Writing failed; nothing was replaced and the temporary file was removed.
     """
-    path = Path(path)
     # Validate every record before creating any file.
-    parts = _entry_parts(entry, model_fingerprint, 0)
+    parts = _entry_parts(entry, model_fingerprint, 0, paged)
+    return write_atomically(path, lambda file: _emit_parts(file, parts))
+
+
+def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], int], *,
+                     sync_directory: bool = True) -> int:
+    """Create ``path`` (mode ``0600``) with what ``write`` writes into an unbuffered file, atomically; return what
+    ``write`` returns (the bytes it wrote).
+
+    A temporary file in the same directory is written, ``fsync``-ed and renamed onto ``path``: a crash leaves the
+    earlier file or the new one, never a part of one. Then the directory is ``fsync``-ed, unless
+    ``sync_directory`` is false (a caller writing many files there syncs it once, with :func:`fsync_directory`).
+
+    :raises OSError: Writing failed; nothing was replaced and the temporary file was removed.
+    """
+    path = Path(path)
     directory = path.parent
     temp = tempfile.NamedTemporaryFile(dir=directory, prefix=TEMP_PREFIX, suffix=".tmp", delete=False, buffering=0)
     try:
         with temp as file:
-            written = _emit_parts(file, parts)
+            written = write(file)
             file.flush()  # unbuffered: a no-op today, kept so a buffered file would still be complete before fsync
             os.fsync(file.fileno())
         os.replace(temp.name, path)
@@ -150,7 +181,8 @@ def write_entry(path: str | os.PathLike[str], entry: CacheEntry, *, model_finger
         except OSError:
             pass
         raise
-    _fsync_directory(directory)
+    if sync_directory:
+        fsync_directory(directory)
     return written
 
 
@@ -163,12 +195,14 @@ def encode_entry(entry: CacheEntry, *, model_fingerprint: str, blob_refs: bool =
     :raises ValueError: The entry cannot be represented.
     """
     out = io.BytesIO()
-    _emit_parts(out, _entry_parts(entry, model_fingerprint, FILE_BLOB_REFS if blob_refs else 0))
+    _emit_parts(out, _entry_parts(entry, model_fingerprint, FILE_BLOB_REFS if blob_refs else 0, False))
     return out.getvalue()
 
 
-def _entry_parts(entry: CacheEntry, model_fingerprint: str, file_flags: int) -> list[bytes | memoryview]:
-    """Everything before the trailer, in order, after validating the whole entry (state bytes as views)."""
+def _entry_parts(entry: CacheEntry, model_fingerprint: str, file_flags: int,
+                 paged: bool) -> list[bytes | memoryview]:
+    """Everything before the trailer, in order, after validating the whole entry (state bytes as views; with
+    ``paged``, each paged target as its page map)."""
     records: list[Checkpoint] = [entry.state, *entry.checkpoints]
     for record in records:
         if record.fingerprint != model_fingerprint:
@@ -194,8 +228,13 @@ def _entry_parts(entry: CacheEntry, model_fingerprint: str, file_flags: int) -> 
         extras = sorted(record.extra.items())  # name order: one entry, one encoding
         if len(extras) > MAX_EXTRAS:
             raise ValueError(f"record {index} has {len(extras)} extra states, more than the format's {MAX_EXTRAS}")
-        target = _check_blob(f"target of record {index}", record.target_bytes())
         flags = REC_PARTIAL if record.partial else 0
+        if paged and isinstance(record.target, PagedState):
+            target = memoryview(encode_page_map(record.target))
+            flags |= REC_PAGED
+            file_flags |= FILE_PAGED
+        else:
+            target = _check_blob(f"target of record {index}", record.target_bytes())
         encoded.append((STATE_RECORD.pack(STATE_KIND, flags, record.n_tokens, record.pos_min, record.pos_max,
                                     target.nbytes, len(extras), bytes(20)), target))
         for name, buffer in extras:
@@ -203,7 +242,8 @@ def _entry_parts(entry: CacheEntry, model_fingerprint: str, file_flags: int) -> 
             view = _check_blob(f"{name} of record {index}", buffer)
             encoded.append((EXTRA_RECORD.pack(EXTRA_KIND, len(name), view.nbytes, encoded_name), view))
 
-    major, minor = FORMAT_VERSION
+    # The oldest version that holds the entry: files of whole states stay readable by every 2.x reader.
+    major, minor = PAGED_VERSION if file_flags & FILE_PAGED else FORMAT_VERSION
     prefix = bytearray(FIXED_HEADER.pack(MAGIC, major, minor, file_flags, len(records), len(fingerprint)))
     prefix += fingerprint + U32.pack(len(namespace)) + namespace + U64.pack(n_tokens)
     prefix += bytes(pad(len(prefix)))

@@ -31,7 +31,7 @@ class StoreEvents(Protocol):
     """What the store asks of, and tells, the engine that owns it: its hooks and counters
     (:class:`~ckpt_plugin.engine.store_events.EngineStoreEvents`), never the manager itself."""
 
-    def allow_admission(self, entry: CacheEntry, n_bytes: int) -> bool:
+    def allow(self, entry: CacheEntry, n_bytes: int) -> bool:
         """Whether ``entry`` may enter RAM, adding ``n_bytes`` to its entries (``on_cache_alloc``)."""
 
     def select_victims(self, entries: Sequence[Any], n_bytes: int, tier: str = Tier.RAM) -> Sequence[Any]:
@@ -122,7 +122,7 @@ class TieredStore:
     # the Admission every tier admits through (see ckpt_plugin.tiers.protocol.Admission)
 
     def allow(self, entry: CacheEntry, n_bytes: int) -> bool:
-        return self.events.allow_admission(entry, n_bytes)
+        return self.events.allow(entry, n_bytes)
 
     def select_victims(self, candidates: Sequence[Any], n_bytes: int, tier: str) -> Sequence[Any]:
         return self.events.select_victims(candidates, n_bytes, tier)

@@ -18,6 +18,7 @@ from ckpt_plugin.http.middleware import CheckpointMiddleware
 
 from ckpt_plugin_integrations.llama_cpp_server.guards import host_route_guards, warm_up
 from ckpt_plugin_integrations.llama_cpp_server.interrupted_streams import report_interruptions
+from ckpt_plugin_integrations.llama_cpp_server.kv_events import mount_kv_event_sources, start_kv_events
 from ckpt_plugin_integrations.llama_cpp_server.model_checks import check_parallel
 from ckpt_plugin_integrations.llama_cpp_server.proxy import CheckpointLlamaProxy, RequestViews
 from ckpt_plugin_integrations.llama_cpp_server.read_ahead import collect_streams, iterate_chunks, stop_streams
@@ -35,10 +36,16 @@ def create_app(
     short ends with an error event (:mod:`.interrupted_streams`). The middleware also answers llama-server's
     ``/health`` and vLLM's render routes and ``/tokenize`` (:mod:`.render`).
 
-    :return: The FastAPI app; ``app.state.llama_proxy`` is the proxy (its ``managers`` are the live managers).
+    With ``kv_events_config``, the KV events are published (:mod:`.kv_events`) and ``GET /kv_event_sources`` says
+    where.
+
+    :return: The FastAPI app; ``app.state.llama_proxy`` is the proxy (its ``managers`` are the live managers),
+        ``app.state.kv_events`` the KV events' publisher (``None`` when they are off).
     """
     settings = checkpoint_settings or ServeSettings()
     check_parallel(model_settings, settings.parallel, draft_model=settings.draft_model)
+    # Before the models load: a busy port is refused at once, and the first capture is announced.
+    kv_events = start_kv_events(settings)
     original = host.LlamaProxy
     # The host builds its proxy by this module-level name; swap it only while the app is built.
     host.LlamaProxy = functools.partial(CheckpointLlamaProxy, settings=settings)  # type: ignore[misc]
@@ -48,6 +55,8 @@ def create_app(
         host.LlamaProxy = original  # type: ignore[misc]
     proxy: CheckpointLlamaProxy = host_compat.server_llama_proxy(host)
     app.state.llama_proxy = proxy
+    app.state.kv_events = kv_events
+    mount_kv_event_sources(app, kv_events)
     grammars = GrammarGuard(timeout=settings.grammar_check_seconds, step_budget=settings.grammar_max_step_seconds)
     app.state.grammar_guard = grammars
     admission = None

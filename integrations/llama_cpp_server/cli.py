@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as exc:
         fail(PROG, str(exc))
     print(startup_line(base_url(host, port, server.ssl_certfile is not None), models, dict(proxy.managers),
-                       checkpoints), file=sys.stderr, flush=True)
+                       checkpoints, app.state.kv_events), file=sys.stderr, flush=True)
     # sse-starlette ends every stream at once on SIGTERM; streams in flight get shutdown_timeout to finish instead
     # (uvicorn's graceful shutdown cancels what is left after it).
     from sse_starlette.sse import AppStatus

@@ -14,6 +14,7 @@ from ckpt_plugin.plugins.default import DEFAULT_PLUGIN_NAME
 from ckpt_plugin.hosts.llama_cpp.serving.default_model import is_default_model
 from ckpt_plugin.services.stats import plugin_names
 
+from ckpt_plugin_integrations.llama_cpp_server.kv_events import kv_events_text
 from ckpt_plugin_integrations.llama_cpp_server.model_checks import gguf_strings
 from ckpt_plugin_integrations.llama_cpp_server.settings import LoadedSettings
 from ckpt_plugin_integrations.settings_flags import format_size
@@ -48,9 +49,11 @@ def _model_text(model: ModelSettings, loaded: bool, several: bool) -> str:
     return f"{text}{' (loaded)' if loaded and several else ''}"
 
 
-def startup_line(url: str, models: list[ModelSettings], managers: dict[str, Any], settings: ServeSettings) -> str:
+def startup_line(url: str, models: list[ModelSettings], managers: dict[str, Any], settings: ServeSettings,
+                 kv_events: Any | None = None) -> str:
     """The start-up line: the models (the loaded one first), address, chat format, slots, state budget, tiers,
-    admin, metrics and slot routes, and the plugins loaded besides ckpt_plugin's own."""
+    admin, metrics and slot routes, the plugins loaded besides ckpt_plugin's own, and where the KV events
+    (``kv_events``, their publisher) go."""
     current = next(iter(managers), None)
     loaded = next((m for m in models if (m.model_alias or m.model) == current), models[0])
     others = [m for m in models if m is not loaded]
@@ -77,6 +80,9 @@ def startup_line(url: str, models: list[ModelSettings], managers: dict[str, Any]
     parts.append("metrics /metrics" if settings.metrics else "metrics off")
     parts.append(f"slot files in {settings.slot_save_path}" if settings.slot_save_path
                  else "slot files off (--slot-save-path)")
+    events = kv_events_text(kv_events)
+    if events is not None:
+        parts.append(events)
     return "ckpt-serve: " + "; ".join(parts)
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 
 from ckpt_plugin.core.entry import CacheEntry
+from ckpt_plugin.core.pages import PAGES
 from ckpt_plugin.persist.page_map import seal_page
 from ckpt_plugin.tiers.protocol import Admission
 from ckpt_plugin.tiers.shared.connection import SharedServer
@@ -142,14 +143,16 @@ class SharedWriter:
             pipe.exists(key)
         present = pipe.execute()
         pipe = writer.pipeline(transaction=False)
-        written = pages_written = 0
+        written = 0
+        new_pages = []
         for (digest, key), exists in zip(blob_keys.items(), present):
             if not exists:
                 page = encoded.pages.get(digest)
                 value = memoryview(blobs[digest]) if page is None else seal_page(page)
                 pipe.set(key, value, ex=self.ttl)
                 written += len(value)
-                pages_written += page is not None
+                if page is not None:
+                    new_pages.append(digest)
             elif self.ttl is not None:
                 pipe.expire(key, self.ttl)
         if self.ttl is not None:
@@ -164,7 +167,8 @@ class SharedWriter:
         if not self._executed(pipe, "write manifest"):
             return False
         self.tally.add(writes=1, bytes_written=written + len(encoded.data), write_round_trips=3,
-                       pages_written=pages_written, pages_present=len(encoded.pages) - pages_written)
+                       pages_written=len(new_pages), pages_present=len(encoded.pages) - len(new_pages))
+        PAGES.tier_stored("shared", new_pages)  # the KV events announce them (a page's id is its blob's digest)
         for digest, state in encoded.paged.items():  # a fetch of this entry here finds the state live
             self.digests.remember(state, digest)
         self.lineage.note(partition, encoded.manifest)
