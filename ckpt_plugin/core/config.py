@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ckpt_plugin.core.entry import DEFAULT_MAX_BYTES
+from ckpt_plugin.core.pages import DEFAULT_PAGE_POSITIONS
 from ckpt_plugin.core.kv_events_config import KvEventsConfig, parse_kv_events_config
 
 __all__ = [
@@ -136,7 +137,7 @@ class CheckpointSettings(BaseSettings):
     )
     cache_max_bytes: int = Field(DEFAULT_MAX_BYTES, ge=0, description="Prompt-cache byte budget (unique bytes).")
     page_positions: int = Field(
-        32, ge=0, le=4096,
+        DEFAULT_PAGE_POSITIONS, ge=0, le=4096,
         description="Positions a page of a stored state covers: states are kept as pages identified by their "
         "content, each stored once however many checkpoints, entries and tiers hold it; 0 keeps every state whole.",
     )

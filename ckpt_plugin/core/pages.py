@@ -434,8 +434,3 @@ def _cut(state: np.ndarray, section: KvSection, rows: slice | np.ndarray, cells:
 
 PAGES = PageStore()
 """The pages of every state of this process: captures, the prompt cache, the disk and shared tiers' reads."""
-
-
-def page_ids_of(states: Sequence[PagedState]) -> set[bytes]:
-    """Every page id the paged ``states`` reference."""
-    return {page_id for state in states for page_id in state.page_ids}
