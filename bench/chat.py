@@ -831,7 +831,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "on a full-size run only)")
     parser.add_argument("--servers", default="abcdef",
                         help="configurations to run: a (llama_cpp.server), b (--cache true), c (ckpt-serve), "
-                        "d (llama-server, when on PATH), e / f (a / c with --logits_all false); default abcdef")
+                        "d (llama-server, when on PATH), e / f (a / c with --logits_all false), g (c with states "
+                        "kept whole); default abcdef")
     parser.add_argument("--groups", default=DEFAULT_GROUPS,
                         help="which configurations run at the same time, taking each request in turn "
                         f"(comma-separated; default {DEFAULT_GROUPS})")

@@ -32,7 +32,8 @@ class Config:
 
 def configs(model: str) -> list[Config]:
     """(a)-(d) of the workload, plus (e)/(f): (a)/(c) with ``--logits_all false`` (``llama_cpp.server`` defaults to
-    ``logits_all=True``: the 262,144-word output layer is computed and copied for every prompt token)."""
+    ``logits_all=True``: the 262,144-word output layer is computed and copied for every prompt token), and (g): (c)
+    with states kept whole (``--page-positions 0``)."""
     python = sys.executable
     settings = ["--model", model, "--n_ctx", str(N_CTX), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
                 "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS), "--seed", "0",
@@ -53,6 +54,8 @@ def configs(model: str) -> list[Config]:
     out += [
         Config("e", "llama_cpp.server --logits_all false", [*plain, "--logits_all", "false"]),
         Config("f", "ckpt-serve --logits_all false", [*ours, "--logits_all", "false"], ckpt=True),
+        # states kept whole, as before pages: what pages cost or give, request by request (--groups cdg)
+        Config("g", "ckpt-serve --page-positions 0", [*ours, "--page-positions", "0"], ckpt=True),
     ]
     return out
 
