@@ -86,8 +86,10 @@ class StatePager:
 
     def _keep_whole(self, why: str) -> None:
         self.counters.add(states_kept_whole=1)
+        kind = why.split(":")[0]
         with self._lock:
-            first = why.split(":")[0] not in self._logged
-            self._logged.add(why.split(":")[0])
+            first = kind not in self._logged
+            self._logged.add(kind)
         if first:
-            log.warning("a captured state is kept whole, not paged (%s); states like it will be too", why)
+            log.warning("a captured state is kept whole, not paged (%s); later ones are counted in "
+                        "states_kept_whole, not logged", why)
